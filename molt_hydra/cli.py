@@ -429,8 +429,9 @@ def _empty(o, text: str) -> list[str]:
     group, hydra_mapping = "/" in key or _is_group(key), False
     if group and isinstance(value, list) and len(value) > 1 and not o.is_delete():
         fix = ("give one +recipe=NAME (a recipe of your own, --config-dir DIR with DIR/recipe/NAME.yaml, can combine "
-               "two)" if key == "recipe" else f"choose one ({o.get_key_element()}=NAME), or sweep them: -m "
-               f"{o.get_key_element()}={','.join(map(str, value))}")
+               "two)" if key == "recipe" else f"choose one ({o.get_key_element()}=NAME)" + (
+                   "" if key.startswith("hydra/") else  # (Hydra sweeps none of its own config)
+                   f", or sweep them: -m {o.get_key_element()}={','.join(map(str, value))}"))
         return [f"- {text}: chooses {len(value)} options of the config group {key}, which Hydra composes one over the "
                 "other: the last one's keys win and the others' stay wherever it sets none, a mix of both. Fix: "
                 f"{fix}"]

@@ -127,6 +127,10 @@ class StepEnvRunner(Runner):
             raise ValueError(f"the first prompt of {self.env_cls.__name__} is empty text (the row's prompt, or what "
                              "reset returned as 'observation'): nothing to generate from. Fix: give the row a prompt, "
                              "or set data.apply_chat_template=true to render it as a user message")
+        self._check_image_places(ids, len(episode.images), tokenizer, f"the first prompt of {self.env_cls.__name__} "
+                                 "(the row's prompt, or what reset returned) holds",
+                                 f"for the row's {len(episode.images)} image(s)",
+                                 "the prompt for each of the row's images (an <image> marker or an image part)")
         max_initial = max(1, episode.max_length - episode.sampling.max_tokens - self._image_tokens(episode.images))
         if len(ids) > max_initial:
             if episode.images:  # cutting could split an image's placeholder tokens
@@ -137,6 +141,20 @@ class StepEnvRunner(Runner):
         traj = Trajectory(prompt=episode.prompt, label=episode.label, images=list(episode.images))
         traj.append_feedback(ids)
         return traj, prompt
+
+    @staticmethod
+    def _check_image_places(ids: list[int], images: int, tokenizer, what: str, for_images: str, where: str) -> None:
+        """Each image placeholder in a prompt's or an observation's tokens is an image's place, as the chat server's
+        400 tells a request's text: checked here, on text no completion is part of (the engine's check, over a whole
+        multi-turn prompt, runs for requests with images only, where a placeholder the model sampled is its error).
+        Was: a place with no image went to the engine as text and was trained on; with images, the engine's refusal
+        a turn later named a session id."""
+        placeholder = model_images(tokenizer.name_or_path)[1]
+        if placeholder is not None and (places := ids.count(placeholder)) != images:
+            token = tokenizer.convert_ids_to_tokens(placeholder)
+            raise ValueError(f"{what} {places} of this vision model's image placeholder {token!r} {for_images}; the "
+                             f"model reads each as an image's place. Fix: write one {token!r} into {where}, and none "
+                             "otherwise")
 
     def _score(self, traj: Trajectory, result: Result) -> None:
         reward, traj.score = reward_and_score(result, f"{self.env_cls.__name__}.step")
@@ -152,15 +170,9 @@ class StepEnvRunner(Runner):
         if new_images and not self.accepts_images:  # the engine cannot see them; training would carry them
             raise ValueError(f"{self.env_cls.__name__}.step returned {len(new_images)} Result.images, but the model "
                              "is text-only; return images only with a vision model (leave Result.images None)")
-        # each placeholder is an image's place, as the chat server's 400 tells a request's text (was: one with no image
-        # went to the engine as text and was trained on; with images, the engine's refusal named a session id)
-        placeholder = model_images(tokenizer.name_or_path)[1]
-        if placeholder is not None and (places := feedback.count(placeholder)) != len(new_images):
-            token = tokenizer.convert_ids_to_tokens(placeholder)
-            raise ValueError(f"{self.env_cls.__name__}.step (turn {turn}) returned an observation holding {places} of "
-                             f"this vision model's image placeholder {token!r} for its {len(new_images)} "
-                             f"Result.images; the model reads each as an image's place. Fix: write one {token!r} into "
-                             "Result.observation for each of Result.images, and none otherwise")
+        self._check_image_places(feedback, len(new_images), tokenizer, f"{self.env_cls.__name__}.step (turn {turn}) "
+                                 f"returned an observation holding", f"for its {len(new_images)} Result.images",
+                                 "Result.observation for each of Result.images")
         # decoded as a row's images are (a path, bytes, a datasets Image struct; RGB): was, for a path, the
         # processor's "Invalid image type: <class 'str'>", naming neither the env nor the field
         new_images = to_pil_images(new_images, len(new_images), f"Result.images of {self.env_cls.__name__}.step")

@@ -902,8 +902,9 @@ def job_rules(cfg: RunConfig, problems: Problems, needs: frozenset[str]) -> None
          f"train.batch_size (e.g. {_whole_steps(samples, t, r.n_samples_per_prompt, per_step)})"),
         (job == "eval" or t.dynamic_batch or t.batch_size % per_step == 0, "train.batch_size",  # (eval: no trainer)
          f"must be a multiple of train.micro_batch_size x dp = {t.micro_batch_size} x {dp} = {per_step}, got "
-         f"{t.batch_size} (dp: {ranks}).", f"set train.batch_size to a multiple of {per_step}, train.micro_batch_size "
-         "to a divisor of train.batch_size / dp, or change the ranks (parallelism.trainer_devices)"),
+         f"{t.batch_size} (dp: {ranks}).", f"set train.batch_size to a multiple of {per_step}, " + (
+             f"train.micro_batch_size to a divisor of train.batch_size / dp = {t.batch_size // dp}, "
+             if t.batch_size % dp == 0 else "") + "or change the ranks (parallelism.trainer_devices)"),
         # SFT splits each batch over its ranks evenly (parallel/sft.py); dynamic batching leaves the rule above out
         (not (job == "sft" and t.dynamic_batch) or t.batch_size % p.trainer_devices == 0, "train.batch_size",
          f"job=sft splits each batch of {t.batch_size} samples evenly over its {p.trainer_devices} ranks "

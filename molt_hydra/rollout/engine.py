@@ -250,10 +250,10 @@ class VLLMEngine(BatchedCallee):
         expands the same ones, models/vlm.py). Was, from vLLM: for fewer, an EngineGenerateError without a message,
         after which the next request with that image ended with finish reason 'error' (vLLM's image cache had it,
         its engine core did not); for more, the extra placeholder sampled as text, and the trainer dropped every
-        such sample as image_placeholder_mismatch without a word; for a placeholder without an image (a row without
-        images whose prompt has a marker), generation from it as text, trained on as an image's place."""
-        if self.image_placeholder is None:
-            return
+        such sample as image_placeholder_mismatch without a word. A prompt without images is the agents' to check
+        (agents/step_runner.py, the chat server): only they know which of its tokens no completion wrote."""
+        if not request.images or self.image_placeholder is None:  # (the agents check text without images: a
+            return  # later turn's prompt may hold a placeholder the model sampled, a sample the trainer drops)
         token_id, token = self.image_placeholder
         if (places := request.prompt_ids.count(token_id)) != len(request.images):
             raise ValueError(

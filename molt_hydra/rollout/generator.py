@@ -227,6 +227,7 @@ class SamplesGenerator:
             groups["score_count"] += len(scores)
             groups["all_pass"] += bool(scores) and all(s >= high for s in scores)
             groups["all_fail"] += bool(scores) and all(s <= low for s in scores)
+            groups["incomplete"] += incomplete
             if incomplete or not low < sum(scores) / len(scores) < high:  # incomplete: always dropped here
                 dropped["incomplete_group" if incomplete else "dynamic_filter"] += len(kept)
                 return None
@@ -245,14 +246,18 @@ class SamplesGenerator:
             return
         low, high = self.dynamic_filtering
         mean = f"{g['score_sum'] / g['score_count']:.4g}" if g["score_count"] else "none (no usable rollout)"
+        # a group with a failed rollout is dropped whatever its scores: then the failures are the cause, not the band
+        failing = ("make the rollouts complete (the failures below); " if 2 * g["incomplete"] >= g["groups_seen"]
+                   else "")
         raise RunFailed("rollout", f"dynamic filtering kept {g['groups_kept']} of the {g['groups_seen']} prompt groups "
                         f"generated for a batch of {self.batch_size} (algorithm.dynamic_filtering.max_gen_batches="
-                        f"{cap} batches' worth); a group is kept only when its mean score lies strictly between "
-                        f"low={low} and high={high}: their mean score is {mean}, {g['all_pass']} groups with every "
-                        f"score >= high, {g['all_fail']} with every score <= low. Fix: train on prompts the policy "
-                        "solves sometimes, not always or never; or widen algorithm.dynamic_filtering.low / high; or "
-                        "raise algorithm.dynamic_filtering.max_gen_batches; or set "
-                        "algorithm.dynamic_filtering.enable=false", drops=dict(self._dropped))
+                        f"{cap} batches' worth); a group is kept only when all its rollouts completed and its mean "
+                        f"score lies strictly between low={low} and high={high}: {g['incomplete']} groups had a failed "
+                        f"rollout, their mean score is {mean}, {g['all_pass']} groups with every score >= high, "
+                        f"{g['all_fail']} with every score <= low. Fix: {failing}train on prompts the policy solves "
+                        "sometimes, not always or never; or widen algorithm.dynamic_filtering.low / high; or raise "
+                        "algorithm.dynamic_filtering.max_gen_batches; or set algorithm.dynamic_filtering.enable=false",
+                        drops=dict(self._dropped), examples=dict(self._errors))
 
     def _metrics(self) -> dict[str, float]:
         dropped, g = self._dropped, self._groups

@@ -133,29 +133,31 @@ class Router:
         self.counts["requests"] += 1
         for attempt in range(MAX_RETRIES + 1):
             index = await self._live_engine(request.session_id)
-            engine, yielded, finished = self.engines[index], False, False
+            engine, yielded, finished, stream = self.engines[index], False, False, None
             self.in_flight[index] += 1
-            stream = engine.generate_stream.options(num_returns="streaming").remote(request)
             try:
+                stream = engine.generate_stream.options(num_returns="streaming").remote(request)
                 while True:
-                    try:  # (the ref is ready once the generator reports it: the wait for it is what can hang)
-                        delta = await (await asyncio.wait_for(anext(stream), self.timeout_s))
+                    try:  # the wait for the next delta's ref is what can hang (the ref is ready once reported);
+                        ref = await asyncio.wait_for(anext(stream), self.timeout_s)  # only it is timed
                     except StopAsyncIteration:
                         finished = True
                         return
-                    yield delta
+                    except asyncio.TimeoutError:
+                        self.counts["timeouts"] += 1
+                        raise EngineTimeout(f"engine {index} gave session {request.session_id!r} no streamed delta "
+                                            f"within {self.timeout_s} s") from None
+                    yield await ref
                     yielded = True
-            except asyncio.TimeoutError:
-                self.counts["timeouts"] += 1
-                raise EngineTimeout(f"engine {index} gave session {request.session_id!r} no streamed delta within "
-                                    f"{self.timeout_s} s") from None
+            except EngineTimeout:
+                raise
             except Exception as e:
                 await self._engine_failed(index, engine, e, request, attempt, streamed=yielded)
                 self.counts["retries"] += 1
             finally:
                 if self.engines[index] is engine:
                     self.in_flight[index] -= 1
-                if not finished:
+                if not finished and stream is not None:
                     ray.cancel(stream)
 
     async def _engine_failed(self, index: int, engine, e: Exception, request: GenerationRequest, attempt: int,

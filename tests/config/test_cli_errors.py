@@ -1133,6 +1133,7 @@ def test_a_group_given_no_option_is_named_beside_groups_given_one(overrides, nam
     ("algorithm=[ppo_gae,grpo]", "Fix: choose one (algorithm=NAME), or sweep them: -m algorithm=ppo_gae,grpo"),
     ("model=[qwen3_tiny,smollm2_135m,qwen3_tiny]", "Fix: choose one (model=NAME), or sweep them: -m "
                                                    "model=qwen3_tiny,smollm2_135m,qwen3_tiny"),
+    ("hydra/launcher=[basic,basic]", "Fix: choose one (hydra/launcher=NAME)"),  # Hydra sweeps none of its own config
 ])
 def test_a_group_given_several_options_is_refused(override, fix):
     """Before: Hydra composed the options one over the other without a word: `+recipe=[tiny_cpu,smollm2_arith]` ran

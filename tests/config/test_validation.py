@@ -175,7 +175,12 @@ CROSS_GROUP = [
     ("batch_multiple_of_micro_x_dp", ["train.micro_batch_size=48"], "train.batch_size",
      "must be a multiple of train.micro_batch_size x dp = 48 x 1 = 48, got 64 (dp: parallelism.trainer_devices=1 = "
      "cluster.nodes x cluster.devices_per_node = 2 less 1 for rollout). Fix: set train.batch_size to a multiple of 48, "
-     "train.micro_batch_size to a divisor of train.batch_size / dp, or change the ranks (parallelism.trainer_devices)"),
+     "train.micro_batch_size to a divisor of train.batch_size / dp = 64, or change the ranks "
+     "(parallelism.trainer_devices)"),
+    # dp not dividing the batch: no micro-batch size can help, so none is offered
+    ("batch_dp_not_dividing", ["cluster.devices_per_node=4", "train.micro_batch_size=2"], "train.batch_size",
+     "= 2 x 3 = 6, got 64 (dp: parallelism.trainer_devices=3 = cluster.nodes x cluster.devices_per_node = 4 less 1 for "
+     "rollout). Fix: set train.batch_size to a multiple of 6, or change the ranks (parallelism.trainer_devices)"),
     # the ranks come from the cluster's size (parallelism.trainer_devices=-1: every device the 1 engine leaves); before,
     # the line named neither, so `cluster.devices_per_node=8` was refused without its key
     ("batch_ranks_of_the_cluster", ["cluster.devices_per_node=8"], "train.batch_size",

@@ -25,7 +25,7 @@ from molt_hydra.agents.wire.images import image_data_uri
 from molt_hydra.agents.loading import resolve_target
 from molt_hydra.models import vlm
 from molt_hydra.models.tiny import resolve_model_path
-from molt_hydra.rollout.generation import Sampling
+from molt_hydra.rollout.generation import GenerationRequest, Sampling
 from molt_hydra.algorithm.experience import to_experience
 
 MAX_IMAGES = 2
@@ -175,18 +175,22 @@ def test_images_without_one_placeholder_each_fail_the_rollout_naming_the_counts(
                      max_length=512)
         return run(loop, runner.run_group([ep], engine, tokenizer))
 
-    for content, places in (("<image><image>Find x.", 2), ("Find x.", 0)):
-        outcome = rollout(content)
+    # the runner checks a first prompt's places (was, for a place with no image, a row without images whose prompt
+    # has a marker: generated from as text without a word, and trained on as an image's place)
+    for content, places, given in (("<image><image>Find x.", 2, 1), ("Find x.", 0, 1), ("<image>Find x.", 1, 0)):
+        ep = Episode(prompt=[{"role": "user", "content": content}], label="", images=[red] * given,
+                     sampling=SAMPLING, max_length=512)
+        outcome = run(loop, runner.run_group([ep], engine, tokenizer))
         assert outcome.trajectories == [] and dict(outcome.failures) == {"agent_exception": 1}
-        assert (f"the prompt has {places} image placeholder(s) (<image>, id {images.placeholder_id}) for the 1 "
-                "image(s) sent with it") in outcome.errors["agent_exception"]
-    # a place with no image (a row without images whose prompt has a marker): was generated from, as text, without a
-    # word, and trained on as an image's place
-    ep = Episode(prompt=[{"role": "user", "content": "<image>Find x."}], label="", sampling=SAMPLING, max_length=512)
-    outcome = run(loop, runner.run_group([ep], engine, tokenizer))
-    assert outcome.trajectories == [] and dict(outcome.failures) == {"agent_exception": 1}
-    assert (f"the prompt has 1 image placeholder(s) (<image>, id {images.placeholder_id}) for the 0 image(s) sent "
-            "with it") in outcome.errors["agent_exception"]
+        assert ("the first prompt of MarkersToParts (the row's prompt, or what reset returned) holds "
+                f"{places} of this vision model's image placeholder '<image>' for the row's {given} image(s)"
+                ) in outcome.errors["agent_exception"]
+    # the engine's own check, for requests with images (a later turn's prompt holds what the model sampled)
+    ids = tokenizer.apply_chat_template([{"role": "user", "content": "Find x."}], add_generation_prompt=True,
+                                        tokenize=True)["input_ids"]
+    with pytest.raises(Exception, match=(rf"the prompt has 0 image placeholder\(s\) \(<image>, id "
+                                         rf"{images.placeholder_id}\) for the 1 image\(s\) sent with it")):
+        run(loop, engine.generate(GenerationRequest("no-place", list(ids), SAMPLING, [red])))
     outcome = rollout("<image>Find x.")  # the same image, placed once: served as before
     assert dict(outcome.failures) == {} and len(outcome.trajectories) == 1
 
@@ -266,8 +270,6 @@ def test_after_a_weight_update_a_repeated_image_is_encoded_by_the_new_vision_tow
     that cache): its log-probs are then those of the new weights, not the old tower's."""
     from safetensors.torch import save
     from transformers import AutoModelForImageTextToText
-
-    from molt_hydra.rollout.generation import GenerationRequest
 
     def hf_logprobs(model, sample, **kw):  # log p(x[t] | x[<t]) from the definition, token 0 -> 0
         ids = sample["input_ids"][None]

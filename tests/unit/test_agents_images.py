@@ -277,8 +277,8 @@ def test_an_env_returning_more_images_than_the_engines_take_fails_its_rollout_na
     (tmp_path / "env.py").write_text(ENV_OF_TWO_IMAGES)
     model_dir = resolve_path("tiny://qwen25_vl_tiny")
     tok = AutoTokenizer.from_pretrained(model_dir)
-    ep = Episode(prompt=[{"role": "user", "content": "<image>Find x."}], images=[img("green")],
-                 sampling=Sampling(max_tokens=4), max_length=512)
+    ep = Episode(prompt=[{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": "Find x."}]}],
+                 images=[img("green")], sampling=Sampling(max_tokens=4), max_length=512)  # (the image's place)
     for limit, failures in ((2, {"agent_exception": 1}), (3, {})):
         actor = AgentRunnerActor({"_target_": f"{tmp_path / 'env.py'}:TwoImages"}, [object()], tokenizer_path=model_dir,
                                  max_len=512, timeout_s=10, engine_timeout_s=10, seed=0, max_turns=2,

@@ -79,15 +79,29 @@ class Solved:
                 for i in range(n)]
 
 
-def test_a_batch_the_filter_never_fills_fails_after_max_gen_batches_naming_the_filter():
+class OneTimesOut(Solved):
+    """One rollout of each group times out, the others score 0.5, inside the filter's band: each group is incomplete,
+    dropped whatever its scores."""
+
+    async def run_group(self, row, n, sampling):
+        self.groups += 1
+        return [(None, "agent_timeout")] + [
+            (SimpleNamespace(reward=0.5, score=None, rollout_id=f"{row['prompt']}/{self.groups}/{i}"), None)
+            for i in range(1, n)]
+
+
+@pytest.mark.parametrize("runner_cls", [Solved, OneTimesOut])
+def test_a_batch_the_filter_never_fills_fails_after_max_gen_batches_naming_the_filter(runner_cls):
     """Before: the generator generated on without a step through every episode of the data (here 10**6 episodes,
-    i.e. for ever), or until train.timeouts.step_s (an hour) told a stall naming neither the filter nor the scores."""
+    i.e. for ever), or until train.timeouts.step_s (an hour) told a stall naming neither the filter nor the scores.
+    A group with a failed rollout is dropped whatever its scores: then the failures are named as the cause (was: the
+    scores and the band, whose fixes change nothing)."""
     batch, cap = 2, 3
     cfg = to_run_config(compose_config([f"rollout.batch_size={batch}", f"rollout.n_samples_per_prompt={SAMPLES}",
                                         "algorithm.dynamic_filtering.enable=true", "train.num_episodes=1000000",
                                         f"algorithm.dynamic_filtering.max_gen_batches={cap}"]))
     generator = _generator(cfg, [{"prompt": f"p{i}"} for i in range(PROMPTS)], [])
-    generator.runner = runner = Solved()
+    generator.runner = runner = runner_cls()
     ctl = RLController(cfg, SimpleNamespace(calls=Calls(), generator=generator, eval_rows=None, role_pids={}),
                        log=SimpleNamespace(sinks=SimpleNamespace(wandb_id=None)))
 
@@ -97,11 +111,18 @@ def test_a_batch_the_filter_never_fills_fails_after_max_gen_batches_naming_the_f
     with pytest.raises(RunFailed) as failed:
         asyncio.run(loop())
     seen = cap * batch  # max_gen_batches batches' worth, then no more
+    cause = failed.value.cause
     assert failed.value.role == "rollout" and runner.groups == seen
-    assert failed.value.cause.startswith(
-        f"dynamic filtering kept 0 of the {seen} prompt groups generated for a batch of {batch} "
-        f"(algorithm.dynamic_filtering.max_gen_batches={cap} batches' worth)")
-    assert (f"their mean score is 1, {seen} groups with every score >= high, 0 with every score <= low"
-            in failed.value.cause)
-    assert "raise algorithm.dynamic_filtering.max_gen_batches" in failed.value.cause
-    assert failed.value.drops == {"dynamic_filter": seen * SAMPLES}
+    assert cause.startswith(f"dynamic filtering kept 0 of the {seen} prompt groups generated for a batch of {batch} "
+                            f"(algorithm.dynamic_filtering.max_gen_batches={cap} batches' worth)")
+    assert "raise algorithm.dynamic_filtering.max_gen_batches" in cause
+    if runner_cls is Solved:
+        assert (f"0 groups had a failed rollout, their mean score is 1, {seen} groups with every score >= high, 0 "
+                "with every score <= low") in cause
+        assert "make the rollouts complete" not in cause
+        assert failed.value.drops == {"dynamic_filter": seen * SAMPLES}
+    else:
+        assert (f"{seen} groups had a failed rollout, their mean score is 0.5, 0 groups with every score >= high, 0 "
+                "with every score <= low") in cause
+        assert "Fix: make the rollouts complete (the failures below); " in cause
+        assert failed.value.drops == {"agent_timeout": seen, "incomplete_group": seen * (SAMPLES - 1)}
