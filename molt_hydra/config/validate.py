@@ -869,8 +869,7 @@ def schedule_rules(cfg: RunConfig, problems: Problems, needs: frozenset[str]) ->
 def job_rules(cfg: RunConfig, problems: Problems, needs: frozenset[str]) -> None:
     """What each job needs (data, eval data) and the batch arithmetic (steps 16, 17, 21)."""
     p, r, t = cfg.parallelism, cfg.rollout, cfg.train
-    rl, job = cfg.job.value == "rl", cfg.job.value
-    dp = max(p.trainer_devices // (p.tp * p.cp), 1)
+    rl, job, dp = cfg.job.value == "rl", cfg.job.value, max(p.trainer_devices // (p.tp * p.cp), 1)
     samples, per_step = r.batch_size * r.n_samples_per_prompt, t.micro_batch_size * dp
     total = cfg.cluster.nodes * cfg.cluster.devices_per_node
     engines = 0 if job == "sft" else rollout_devices(cfg)
