@@ -53,6 +53,7 @@ def test_submitit_local_sweep_trains(tmp_path):
                                                ["1", "algorithm.estimator=rloo", "completed", "3"]]
 
 
+@pytest.mark.slow  # (make test's budget) the sweep: test_submitit_local_sweep_runs_each_point_as_a_process
 def test_failed_points_of_a_submitit_local_sweep_are_each_named(tmp_path):
     """Before: the first failed point ended `molt-run -m hydra/launcher=submitit_local` with submitit's
     UncompletedJobError traceback (exit 1), and the points still running were cancelled as it exited. Both points

@@ -63,6 +63,7 @@ def test_grad_norm_debug_metrics(runs):
     assert row["train/actor_grad_nonfinite_params"] == 0
 
 
+@pytest.mark.slow  # (make test's budget) the module's determinism tests stay in make test
 def test_disk_budget_and_warm_start(runs, tmp_path):
     ckpt = runs / "a" / "checkpoints"
     assert sorted(p.name for p in ckpt.glob("step_*")) == ["step_1", "step_2"]  # max_num 3: both fit the budget

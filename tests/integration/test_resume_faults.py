@@ -59,6 +59,7 @@ def _copy(interrupted, tmp_path) -> Path:
     return ckpts
 
 
+@pytest.mark.slow  # (make test's budget) resume: test_rl_loop's kill-and-resume in make test
 def test_a_damaged_newest_checkpoint_is_passed_over_for_the_one_before(interrupted, tmp_path):
     """Before: the run chose the damaged checkpoint and failed with 'Run failed: actor rank 0: load_checkpoint failed:
     CheckpointException: CheckpointException ranks:dict_keys([0])', advising checkpoint.resume=auto again."""

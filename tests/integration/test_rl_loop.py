@@ -124,6 +124,7 @@ def test_one_step_async_logs_drift_reward_and_timing_every_step(tmp_path):
         assert r["train/vllm_kl"] == pytest.approx(m[r["train/global_step"]]["train/vllm_kl"])
 
 
+@pytest.mark.slow  # (make test's budget) async drift and staleness: test_one_step_async_... in make test
 def test_n_step_async_bounds_staleness(tmp_path):
     molt_run(tmp_path, "train.queue_depth=2", "algorithm.is_correction.level=token", "train.max_steps=4",
              "checkpoint.save_steps=0")
@@ -134,6 +135,7 @@ def test_n_step_async_bounds_staleness(tmp_path):
     assert m[3]["train/drift/staleness_max"] == 2 and m[4]["train/drift/staleness_max"] == 2
 
 
+@pytest.mark.slow  # (make test's budget) the async loop: test_one_step_async_... in make test
 def test_partial_rollout_completes_within_max_staleness(tmp_path):
     molt_run(tmp_path, "train.partial_rollout=true", "train.max_staleness=1", "algorithm.is_correction.level=token",
              "rollout.max_inflight_groups=8", "train.max_steps=4")
@@ -216,6 +218,7 @@ def _is_engine_core(pid: int) -> bool:
         return False
 
 
+@pytest.mark.slow  # (make test's budget) a stopped engine core named: tests/unit/test_stalled_roles.py in make test
 def test_stalled_engine_ends_the_run_with_stacks_and_names_it(tmp_path):
     # never done before the engine is found and stopped (CI once saw a run end normally, its data done, within the
     # 30 s the search below then allowed)

@@ -9,6 +9,7 @@ import sys
 from pathlib import Path
 
 import psutil
+import pytest
 import torch
 
 from molt_hydra.rollout.engine import VLLMEngine
@@ -43,6 +44,7 @@ def test_uni_engine_runs_the_model_in_its_engine_core(tiny_model):
     assert len(out.token_ids) == 6 and max(abs(a - b) for a, b in zip(out.logprobs, expected)) < 1e-4
 
 
+@pytest.mark.slow  # (make test's budget) the uni engine's outputs: the test above, in make test
 def test_engine_core_is_forked_from_a_server_that_imported_vllm_else_spawned(tiny_model):
     """The CPU engine core is forked from a forkserver, this process's child started before the engine's own vLLM
     import, that has vLLM loaded (its compiled extension mapped), with the variables vLLM sets for the core in its
