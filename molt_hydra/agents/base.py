@@ -241,6 +241,19 @@ def image_tokens(per_image: int | Callable[[Any], int], images: list) -> int:
     return sum(per_image(im) for im in images) if callable(per_image) else per_image * len(images)
 
 
+def text_prompt_ids(tokenizer, text: str) -> list[int]:
+    """A prompt given as text, sent without a chat template (/v1/completions, an Env's text prompt), as the model's
+    input ids: with the BOS token in front where the tokenizer adds one (Llama, Gemma, Mistral), as vLLM's
+    /v1/completions and `LLM.generate` tokenize a text prompt (was: without, so a BOS model read a prompt unlike any
+    it was trained on), unless the text starts with it already (text rendered by a chat template: one BOS, not two).
+    A chat template's render writes its own BOS, and an observation continues a sequence: both go without."""
+    ids = tokenizer(text, add_special_tokens=False)["input_ids"]
+    bos = tokenizer.bos_token_id
+    if ids and bos is not None and ids[0] != bos and tokenizer(text)["input_ids"][:1] == [bos]:
+        return [bos, *ids]
+    return ids
+
+
 @functools.cache
 def model_images(model_dir: str) -> tuple[bool, int | None]:
     """(whether the tokenizer's model takes images, its image placeholder's token id), from its config: a text-only

@@ -17,7 +17,7 @@ import json
 import logging
 
 from molt_hydra.agents.base import (Env, Episode, Result, Runner, Trajectory, apply_sampling_override, image_tokens,
-                                    model_images, reward_and_score, seed_agent_rngs, shippable)
+                                    model_images, reward_and_score, seed_agent_rngs, shippable, text_prompt_ids)
 from molt_hydra.agents.targets import subclass
 from molt_hydra.data.images import to_pil_images
 from molt_hydra.rollout.generation import GenerationRequest, TokenGenerator
@@ -57,9 +57,11 @@ class StepEnvRunner(Runner):
             key = None
         found = self._prompts.get(key)
         if found is None:
-            text = prompt if isinstance(prompt, str) else tokenizer.apply_chat_template(
-                prompt, tools=tools, tokenize=False, add_generation_prompt=True)
-            found = (text, tokenizer(text, add_special_tokens=False)["input_ids"])
+            if isinstance(prompt, str):  # sent as it is, with the BOS a model's tokenizer adds
+                found = (prompt, text_prompt_ids(tokenizer, prompt))
+            else:
+                text = tokenizer.apply_chat_template(prompt, tools=tools, tokenize=False, add_generation_prompt=True)
+                found = (text, tokenizer(text, add_special_tokens=False)["input_ids"])
             if key is not None:
                 if len(self._prompts) >= PROMPT_MEMO:
                     del self._prompts[next(iter(self._prompts))]  # the oldest

@@ -30,7 +30,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from molt_hydra.agents.base import RECIPE_SAMPLING, Trajectory, image_tokens
+from molt_hydra.agents.base import RECIPE_SAMPLING, Trajectory, image_tokens, text_prompt_ids
 from molt_hydra.agents.json_grammar import compact, strict_calls
 from molt_hydra.agents.tool_parser import ParsedReply, ReplyParser, ToolCall
 from molt_hydra.agents.wire.images import image_sources, load_image
@@ -361,7 +361,8 @@ class ChatSession:
         """(extension or None, prompt ids, images) of a turn: a raw prompt, the open branch extended, or a full
         render."""
         if req.raw_prompt is not None:
-            return None, self._check_image_places(self._tokenize(req.raw_prompt), [], req.prompt_param), []
+            ids = text_prompt_ids(self.tokenizer, req.raw_prompt)
+            return None, self._check_image_places(ids, [], req.prompt_param), []
         extension = self._extension(req)
         if extension is None:
             return None, *self._full_prompt(req)
