@@ -130,6 +130,8 @@ def load_dataset(spec: str, split: str, config: str | None = None, config_fix: s
     name (the last two of config `config`; `config_fix`: how the caller's user picks one), as one split."""
     import datasets
 
+    if why := unread_name(spec):
+        raise ValueError(why)
     path = Path(spec).expanduser()  # as validation reads it (config/validate.py check_location)
     # a directory is read as one whatever its name (was, for one named *.jsonl: "[Errno 21] Is a directory")
     if path.suffix in FILE_TYPES and not os.path.isdir(path):  # a missing file: datasets' FileNotFoundError names it
@@ -151,6 +153,31 @@ def load_dataset(spec: str, split: str, config: str | None = None, config_fix: s
     if saved_dir(path):
         return _saved(path, split)
     return _repository(str(path) if os.path.isdir(path) else spec, split, config, config_fix)
+
+
+READABLE = (f"a data file ({', '.join(sorted(FILE_TYPES))}), a directory of data files or a save_to_disk "
+            "directory")
+COMPRESSED = (".gz", ".bz2", ".xz", ".zst", ".zip", ".lz4")
+
+
+def unread_name(spec: str) -> str | None:
+    """Why the run reads no dataset at local name `spec` ("reason. Fix: fix"): a file of a suffix it does not read,
+    the fix for an upper-case or compressed one its own, or a file name pattern; else None. Validation's check too
+    (data/rules.py). Was: each taken for a hub id: "Couldn't find any data file at" a file that is there; for a
+    pattern 'neither an existing file or directory nor a hub id (Repo id must be in the form ...)'."""
+    path = Path(spec).expanduser()
+    if os.path.isfile(path) and path.suffix not in FILE_TYPES:
+        inner = Path(path.stem).suffix
+        fix = (f"rename it to {path.with_suffix(path.suffix.lower()).name} (suffixes are read in lower case)"
+               if path.suffix.lower() in FILE_TYPES else
+               f"decompress it to {path.stem} (e.g. gunzip -k {path}), and point the key at that file"
+               if path.suffix.lower() in COMPRESSED and inner.lower() in FILE_TYPES else f"convert it to {READABLE}")
+        return (f"{str(path)!r} is a file of a type the run does not read (suffix {path.suffix or 'none'!r}). "
+                f"Fix: {fix}")
+    if any(c in spec for c in "*?") and not os.path.lexists(path):  # (no hub id holds these)
+        return (f"{spec!r} is a file name pattern, and the run expands none. Fix: point the key at the directory "
+                "that holds the files (read as one dataset), or name each file, comma-separated")
+    return None
 
 
 def saved_dir(path: Path) -> bool:
@@ -292,6 +319,8 @@ def _table(spec: str, split: str, config: str | None) -> tuple:
     """(rows, column names) of a dataset. A JSON file's rows are read here as written, each row's missing keys null
     as datasets reads them: datasets reads a column of mixed types (a label "1" in one row, {"x": 1} in another) as
     Json and decodes its strings, the label "1" read as 1, "null" as None, "42" as a prompt as the number 42."""
+    if why := unread_name(spec):  # (before the JSON files' read: a pattern is no file)
+        raise ValueError(why)
     if (path := Path(spec).expanduser()).suffix in JSON_TYPES and not os.path.isdir(path):
         rows = check_json_rows(path)
         columns = sorted({key for row in rows for key in row})

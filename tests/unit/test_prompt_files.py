@@ -631,3 +631,43 @@ def test_a_parquet_or_arrow_file_of_no_rows_is_named_as_the_other_empty_inputs_a
     with pytest.raises(ValueError) as err:
         _named("data.train_path", load_prompts, str(path))
     assert str(err.value) == f"data.train_path={path}: {reason}"
+
+
+READABLE = "a data file (.arrow, .csv, .json, .jsonl, .parquet), a directory of data files or a save_to_disk directory"
+
+
+@pytest.mark.parametrize("name, fix", [
+    ("train.JSONL", "rename it to train.jsonl (suffixes are read in lower case)"),
+    ("train.jsonl.gz", "decompress it to train.jsonl (e.g. gunzip -k FILE), and point the key at that file"),
+    ("train.json.gz", "decompress it to train.json (e.g. gunzip -k FILE), and point the key at that file"),
+    ("rows.txt", f"convert it to {READABLE}")])
+def test_a_file_of_a_suffix_the_run_does_not_read_is_named_with_the_fix_for_its_suffix(tmp_path, name, fix):
+    """An upper-case suffix or a compressed file, at validation and at load (python -m molt_hydra.data.prepare
+    --source has no validation). Before: validation told to 'convert' a JSONL file the run reads once renamed, or a
+    compressed one; the load took the file for a hub dataset: "Couldn't find any data file at" the file that is
+    there."""
+    path = tmp_path / name
+    path.write_text('{"prompt": "a", "label": "1"}\n')
+    suffix = name.rsplit(".", 1)[1]
+    reason = (f"{str(path)!r} is a file of a type the run does not read (suffix '.{suffix}'). "
+              f"Fix: {fix.replace('FILE', str(path))}")
+    assert _config_problems(str(path)) == [f"- data.train_path: {reason}"]
+    with pytest.raises(ValueError) as err:
+        _named("data.train_path", load_prompts, str(path))
+    assert str(err.value) == f"data.train_path={path}: {reason}"
+
+
+def test_a_file_name_pattern_is_refused_naming_the_directory_as_the_fix(tmp_path):
+    """Before: "is neither an existing file or directory nor a hub id (Repo id must be in the form 'repo_name' ...)"
+    at validation, and "[Errno 2] No such file or directory" at load; the pattern's files exist."""
+    for n in (1, 2):
+        (tmp_path / f"part{n}.jsonl").write_text('{"prompt": "a", "label": "1"}\n')
+    spec = str(tmp_path / "part*.jsonl")
+    reason = (f"{spec!r} is a file name pattern, and the run expands none. Fix: point the key at the directory "
+              "that holds the files (read as one dataset), or name each file, comma-separated")
+    assert _config_problems(spec) == [f"- data.train_path: {reason}"]
+    with pytest.raises(ValueError) as err:
+        _named("data.train_path", load_prompts, spec)
+    assert str(err.value) == f"data.train_path={spec}: {reason}"
+    assert len(load_prompts(str(tmp_path))) == 2  # the fix: the directory, its two files one dataset
+
