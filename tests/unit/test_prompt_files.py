@@ -89,6 +89,14 @@ SERVER_REFUSED = {
     "two_image_parts.jsonl": ('{"prompt": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": '
                               '"a.png"}}, {"type": "image_url", "image_url": {"url": "b.png"}}]}], "label": "1"}\n',
                               "; 2 image parts > data.max_images_per_prompt=1, the engines' per-prompt limit. Fix: "),
+    # the HF chat templates' form; before: "unsupported content part type 'image' (text, image_url)", though a bare
+    # {"type": "image"} part is read, and a fix naming neither form the run reads
+    "own_image_part.jsonl": ('{"prompt": [{"role": "user", "content": [{"type": "text", "text": "see"}, {"type": '
+                             '"image", "image": "/data/x.png"}]}], "label": "1"}\n',
+                             "; messages[0].content[1] is an image part of its own image ('image': '/data/x.png'), "
+                             "a form the run does not read. Fix: write it as {'type': 'image_url', 'image_url': "
+                             "{'url': '/data/x.png'}} (an image file's path or a base64 data: URI), or as a bare "
+                             "{'type': 'image'} part with the row's image in the column data.image_key names"),
 }
 
 
