@@ -371,11 +371,12 @@ def load_prompts(spec: str, *, split: str = "train", config_name: str | None = N
                  label_key: str | None = "label", tools_key: str | None = None, image_key: str | None = None,
                  max_samples: int | None = None, probs: list[float] | None = None, seed: int = 0,
                  max_images_per_prompt: int = 0, blank_images: bool = False, image_fits=None,
-                 template_fits=None) -> list[dict]:
+                 template_fits=None, prompt_tokens=None, lengths: tuple[int, int] = (0, 0)) -> list[dict]:
     """Rows from comma-separated specs; several specs are concatenated, or interleaved with `probs`. Each row's prompt
     is one `template_fits(prompt, tools)` renders (`usable_template_rows`). Images of `image_key` become PIL images, at
     most `max_images_per_prompt` per row, each one `image_fits` takes (`usable_image_rows`); `blank_images` replaces
-    each by a grey one of its size."""
+    each by a grey one of its size. Prompts over the room `lengths` (data.max_len, max_new_tokens) leave are counted
+    (`count_long_prompts`, by `prompt_tokens`)."""
     specs = [s.strip() for s in spec.split(",") if s.strip()]  # `probs`: one per spec (DataConfig checks it)
     if not all(p > 0 for p in probs or ()):  # never drawn, its rows would never be exhausted: the loop below hangs
         raise ValueError(f"data.train_probs={list(probs)}: every dataset needs a probability > 0")
@@ -387,6 +388,8 @@ def load_prompts(spec: str, *, split: str = "train", config_name: str | None = N
         if not rows:
             raise ValueError(f"{s} has no rows")
         rows = usable_template_rows(rows, s, template_fits) if template_fits is not None else rows
+        if prompt_tokens is not None:
+            count_long_prompts(rows, s, prompt_tokens, *lengths)
         rows = usable_image_rows(rows, s, image_key or "images", max_images_per_prompt, blank_images,
                                  fits=image_fits)
         parts.append(rows)
@@ -508,6 +511,26 @@ def usable_template_rows(rows: list[dict], spec: str, fits) -> list[dict]:
         raise ValueError(f"every row of {spec} was dropped: the chat template refuses their messages; row {ids[0]}: "
                          f"{why}. Fix: {TEMPLATE_FIX}")
     return [row for i, row in enumerate(rows) if i not in gone] if gone else rows
+
+
+def count_long_prompts(rows: list[dict], spec: str, tokens, max_len: int, max_new_tokens: int) -> None:
+    """Log the rows whose prompt, `tokens(prompt, tools, room)` as the agent runners render it (at most `room` where
+    it fits), is over the `room` data.max_len leaves beside max_new_tokens, counted, with their row ids. Kept: an Env's
+    reset may shorten it. Was: found at each rollout of each row, a log line a rollout (the step runner's left cut),
+    never counted. A refusal of the chat template that its text alone decides is left to the rollout."""
+    room, long = max_len - max_new_tokens, {}
+    for i, row in enumerate(rows):
+        try:
+            if (n := tokens(row["prompt"], row.get("tools"), room)) > room:
+                long[i] = n
+        except (TemplateError, TypeError, ValueError):  # (ValueError: messages and no chat template: the runners')
+            continue
+    if long:
+        log.warning("data: %d of %d rows of %s have prompts over the %d tokens data.max_len=%d leaves them beside "
+                    "max_new_tokens=%d (the longest %d tokens; row ids %s): an Env's rollout left-truncates each (one "
+                    "with images fails), a chat agent's first turn generates fewer tokens, none over data.max_len. "
+                    "Fix: raise data.max_len, lower the max_new_tokens, or filter those rows out", len(long),
+                    len(rows), spec, room, max_len, max_new_tokens, max(long.values()), list(long)[:20])
 
 
 def _shape(row: dict) -> tuple:

@@ -679,3 +679,34 @@ def test_a_file_name_pattern_is_refused_naming_the_directory_as_the_fix(tmp_path
     assert str(err.value) == f"data.train_path={spec}: {reason}"
     assert len(load_prompts(str(tmp_path))) == 2  # the fix: the directory, its two files one dataset
 
+
+
+def test_prompts_over_the_room_their_first_turn_leaves_are_counted_at_load(tmp_path, tiny_model, caplog):
+    """A prompt of more tokens than data.max_len leaves beside rollout.max_new_tokens (an Env's rollout left-truncates
+    it; a chat agent's turn generates fewer tokens, over data.max_len none): counted at load, with the row ids, the
+    longest and the fix. Before: found at each rollout of each row, one log line a rollout, never counted."""
+    import logging
+
+    from transformers import AutoTokenizer
+
+    from molt_hydra.runtime.roles import _load_rows
+
+    tok = AutoTokenizer.from_pretrained(tiny_model)
+    prompts = ["short", "word " * 40, "hi", "word " * 60, [{"role": "user", "content": "word " * 50}]]
+    path = tmp_path / "rows.jsonl"
+    path.write_text("".join(json.dumps({"prompt": p, "label": str(i)}) + "\n" for i, p in enumerate(prompts)))
+    cfg = _run_config(str(path), 2, max_len=96)
+    cfg.rollout.max_new_tokens = 32  # room: 96 - 32 = 64 tokens
+    texts = [tok.apply_chat_template([{"role": "user", "content": p}] if isinstance(p, str) else p, tokenize=False,
+                                     add_generation_prompt=True) for p in prompts]  # as the step runner renders them
+    sizes = [len(tok(text, add_special_tokens=False)["input_ids"]) for text in texts]
+    longs = [i for i, n in enumerate(sizes) if n > 64]
+    assert longs == [1, 3, 4], sizes  # (the words' sizes are chosen for it)
+    with caplog.at_level(logging.WARNING, logger="molt_hydra.data.prompts"):
+        rows, _ = _load_rows(cfg, scoring=False)
+    assert len(rows) == 5  # counted, none dropped: an Env's reset may shorten its prompt
+    assert [r.getMessage() for r in caplog.records] == [
+        f"data: 3 of 5 rows of {path} have prompts over the 64 tokens data.max_len=96 leaves them beside "
+        f"max_new_tokens=32 (the longest {max(sizes)} tokens; row ids [1, 3, 4]): an Env's rollout left-truncates "
+        "each (one with images fails), a chat agent's first turn generates fewer tokens, none over data.max_len. "
+        "Fix: raise data.max_len, lower the max_new_tokens, or filter those rows out"]
