@@ -21,7 +21,7 @@ from molt_hydra.config.bounds import get
 from molt_hydra.config.schema import RunConfig
 from molt_hydra.config.validate import Problems, changed
 from molt_hydra.data.prompts import (BUILTIN, BUILTIN_TASKS, IMAGE_FIX, PROMPT_FIX, builtin_size, check_prompt_rows,
-                                     combined, unfound_image)
+                                     combined, own_image_part, unfound_image)
 from molt_hydra.data.rules import raised, readable_local
 from molt_hydra.models.rules import has_chat_template
 
@@ -304,30 +304,16 @@ TOOLS_FIX = ("give each row's tools as OpenAI chat function tools, [{'type': 'fu
              "'parameters': {...}}}, ...], each name once")
 
 
-def _own_image_part(prompt) -> tuple[str, str] | None:
-    """(why, fix) for an image part of its own image, `{"type": "image", "image": PATH}` (the HF chat templates' form),
-    or None. Was: the parser's "unsupported content part type 'image' (text, image_url)", though a bare one is read,
-    with a fix naming neither form the run reads."""
-    for i, m in enumerate(prompt if isinstance(prompt, list) else ()):
-        for j, part in enumerate(m.get("content") if isinstance(m.get("content"), list) else ()):
-            if isinstance(part, dict) and part.get("type") == "image" and not row_image_part(part):
-                key, value = next((k, v) for k, v in part.items() if k != "type" and v is not None)
-                url = value if isinstance(value, str) else "PATH"
-                return (f"messages[{i}].content[{j}] is an image part of its own image ({key!r}: {value!r:.60}), a "
-                        "form the run does not read", f"write it as {{'type': 'image_url', 'image_url': {{'url': "
-                        f"{url!r:.60}}}}} (an image file's path or a base64 data: URI), or as a bare {{'type': "
-                        "'image'} part with the row's image in the column data.image_key names")
-    return None
-
-
 def _prompt_problem(prompt, max_images: int, tools: list | None = None) -> tuple[str, str] | None:
     """(why, fix) where the chat server would refuse `prompt` as a request's messages, with the row's `tools` (its own
     parser, its image loader for each image part, the engines' image limit), or None. (Was: a row's tools in another
     shape, e.g. the Responses API's flat one, or two of one name, passed; a chat agent's every request was a 400.)"""
     if isinstance(prompt, str) and tools is None:
         return None
-    if own := _own_image_part(prompt):
-        return own
+    if own := own_image_part(prompt):  # (the parser's words: "unsupported content part type 'image'")
+        return own[0], (f"write it as {{'type': 'image_url', 'image_url': {{'url': {own[1]!r:.60}}}}} (an image "
+                        "file's path or a base64 data: URI), or as a bare {'type': 'image'} part with the row's image "
+                        "in the column data.image_key names")
     # a bare {"type": "image"} part is the row's next image, as an `<image>` marker is (prompt_messages)
     body = {"messages": [{"role": "user", "content": prompt}] if isinstance(prompt, str) else [
         dict(m, content=[{"type": "text", "text": "<image>"} if row_image_part(p) else p for p in m["content"]])

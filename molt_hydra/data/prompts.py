@@ -582,6 +582,23 @@ def image_places(prompt) -> int:
         isinstance(p, dict) and p.get("type") == "image" for p in c) if isinstance(c, list) else 0 for c in contents)
 
 
+def own_image_part(messages, kinds: tuple[str, ...] = ("image",)) -> tuple[str, object] | None:
+    """(why, its image) for the first content part of chat `messages` that names its own image, a form the run does
+    not read: one of type "image" with an image (`{"type": "image", "image": PATH}`, the HF chat templates' form; a
+    bare one is the row's next image), or of another of `kinds` (job=sft reads images from data.image_key alone, so
+    "image_url" too); else None."""
+    for i, m in enumerate(messages if isinstance(messages, list) else ()):
+        content = m.get("content") if isinstance(m, dict) else None
+        for j, part in enumerate(content if isinstance(content, list) else ()):
+            kind = part.get("type") if isinstance(part, dict) else None
+            image = next(((k, v) for k, v in part.items() if k != "type" and v is not None), None) \
+                if kind in kinds else None
+            if image is not None:
+                return (f"messages[{i}].content[{j}] is an image part of its own image ({image[0]!r}: "
+                        f"{image[1]!r:.60}), a form the run does not read", image[1])
+    return None
+
+
 def unread_images(where: str, column: str) -> str:
     """Rows whose prompts place images from a column data.image_key=null does not read (was: each trained on without
     its image, the literal `<image>` in its text, and without a word)."""

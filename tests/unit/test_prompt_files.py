@@ -710,3 +710,23 @@ def test_prompts_over_the_room_their_first_turn_leaves_are_counted_at_load(tmp_p
         f"max_new_tokens=32 (the longest {max(sizes)} tokens; row ids [1, 3, 4]): an Env's rollout left-truncates "
         "each (one with images fails), a chat agent's first turn generates fewer tokens, none over data.max_len. "
         "Fix: raise data.max_len, lower the max_new_tokens, or filter those rows out"]
+
+
+@pytest.mark.parametrize("part", [{"type": "image", "image": "/data/x.png"},
+                                  {"type": "image_url", "image_url": {"url": "/data/x.png"}}])
+def test_an_sft_image_part_of_its_own_image_is_refused_naming_the_form_sft_reads(tmp_path, part):
+    """job=sft reads a row's images from data.image_key alone. Before: such a part passed validation, and the row was
+    trained without its image (a VLM's chat template rendered its placeholder, given no pixels)."""
+    from test_loss_mask import _sft_problems
+
+    path = tmp_path / "chats.jsonl"
+    prompt = [{"role": "user", "content": [{"type": "text", "text": "colour?"}, part]}]
+    path.write_text(json.dumps({"input": prompt, "output": "R"}) + "\n")
+    key, value = next((k, v) for k, v in part.items() if k != "type")
+    assert _sft_problems(str(path), train__batch_size=1) == [
+        f"- data.train_path: {path}: SFT row 0: data.input_key='input': messages[0].content[1] is an image part "
+        f"of its own image ({key!r}: {value!r}), a form the run does not read. Fix: give the row's images in the column "
+        "data.image_key names, and a bare {'type': 'image'} part (or an <image> marker) where each goes"]
+    bare = [{"role": "user", "content": [{"type": "text", "text": "colour?"}, {"type": "image"}]}]
+    path.write_text(json.dumps({"input": bare, "output": "R"}) + "\n")
+    assert _sft_problems(str(path), train__batch_size=1) == []
