@@ -582,6 +582,10 @@ def image_places(prompt) -> int:
         isinstance(p, dict) and p.get("type") == "image" for p in c) if isinstance(c, list) else 0 for c in contents)
 
 
+IMAGE_PART_FIX = ("give the row's images in the column data.image_key names, and a bare {'type': 'image'} part (or an "
+                  "<image> marker) where each goes")
+
+
 def own_image_part(messages, kinds: tuple[str, ...] = ("image",)) -> tuple[str, object] | None:
     """(why, its image) for the first content part of chat `messages` that names its own image, a form the run does
     not read: one of type "image" with an image (`{"type": "image", "image": PATH}`, the HF chat templates' form; a

@@ -171,7 +171,9 @@ def test_a_prompt_the_chat_server_would_refuse_is_a_config_error_naming_the_row(
     text, reason = SERVER_REFUSED[name]
     path = tmp_path / name
     path.write_text(text)
-    [problem] = _config_problems(str(path), max_images_per_prompt=1)
+    # a row's own images reach a chat agent's server alone (an Env's: test_an_image_url_part_in_an_envs_row_...)
+    runner = CHAT_AGENT if "image" in name else None
+    [problem] = _config_problems(str(path), max_images_per_prompt=1, runner=runner)
     assert problem.startswith(f"- data.train_path: {path} row ") and reason in problem, problem
 
 
@@ -730,3 +732,23 @@ def test_an_sft_image_part_of_its_own_image_is_refused_naming_the_form_sft_reads
     bare = [{"role": "user", "content": [{"type": "text", "text": "colour?"}, {"type": "image"}]}]
     path.write_text(json.dumps({"input": bare, "output": "R"}) + "\n")
     assert _sft_problems(str(path), train__batch_size=1) == []
+
+
+def test_an_image_url_part_in_an_envs_row_is_refused_a_chat_agents_taken(tmp_path):
+    """An Env's first prompt takes its images from data.image_key alone (the step runner reads no image_url part; a
+    chat agent's server does). Before: such a row passed validation, and each of its rollouts failed as an
+    agent_exception ("holds 1 of this vision model's image placeholder ... for the row's 0 image(s)"), every epoch."""
+    from PIL import Image
+
+    Image.new("RGB", (8, 8), "red").save(tmp_path / "x.png")
+    url = str(tmp_path / "x.png")
+    path = tmp_path / "rows.jsonl"
+    prompt = [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": url}},
+                                           {"type": "text", "text": "colour?"}]}]
+    path.write_text(json.dumps({"prompt": prompt, "label": "R"}) + "\n")
+    assert _config_problems(str(path), max_images_per_prompt=1) == [
+        f"- data.train_path: {path} row 0: data.input_key='prompt' is {prompt!r:.60}; messages[0].content[0] is an "
+        f"image part of its own image ('image_url': {{'url': {url!r:.52}), a form the run does not read. Fix: give the "
+        "row's images in the column data.image_key names, and a bare {'type': 'image'} part (or an <image> marker) "
+        "where each goes; an Env's first prompt takes no image_url part (a ChatAgent's server does)"]
+    assert _config_problems(str(path), max_images_per_prompt=1, runner=CHAT_AGENT) == []
