@@ -176,7 +176,8 @@ def unread_name(spec: str) -> str | None:
                 f"Fix: {fix}")
     if any(c in spec for c in "*?") and not os.path.lexists(path):  # (no hub id holds these)
         return (f"{spec!r} is a file name pattern, and the run expands none. Fix: point the key at the directory "
-                "that holds the files (read as one dataset), or name each file, comma-separated")
+                "that holds the files (read as one dataset), or name each file, comma-separated (job=sft reads one "
+                "file: concatenate them into one)")
     return None
 
 

@@ -674,7 +674,8 @@ def test_a_file_name_pattern_is_refused_naming_the_directory_as_the_fix(tmp_path
         (tmp_path / f"part{n}.jsonl").write_text('{"prompt": "a", "label": "1"}\n')
     spec = str(tmp_path / "part*.jsonl")
     reason = (f"{spec!r} is a file name pattern, and the run expands none. Fix: point the key at the directory "
-              "that holds the files (read as one dataset), or name each file, comma-separated")
+              "that holds the files (read as one dataset), or name each file, comma-separated (job=sft reads one "
+              "file: concatenate them into one)")
     assert _config_problems(spec) == [f"- data.train_path: {reason}"]
     with pytest.raises(ValueError) as err:
         _named("data.train_path", load_prompts, spec)
