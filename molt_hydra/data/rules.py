@@ -71,8 +71,8 @@ def check_data(cfg: RunConfig, problems: Problems) -> None:
 def _check_local(cfg: RunConfig, problems: Problems, key: str, path: Path) -> None:
     """A local dataset the run can read (`readable_local`); job=sft: its chat rows pass the loader's checks (RL prompt
     rows: agents/rules.py check_prompts, with the chat server's parser). Before, each failed once the run had started
-    Ray and its engines: a malformed line or row, an unknown suffix ('Couldn't find any data file at' a file that is
-    there). A directory is read as datasets reads it (save_to_disk output, or data files: agents/rules.py)."""
+    Ray and its engines: a malformed line or row (an unknown suffix: data/prompts.py unread_name). A directory is read
+    as datasets reads it (save_to_disk output, or data files: agents/rules.py)."""
     if readable_local(path):
         if cfg.job.value == "sft" and path.suffix in JSON_TYPES and path.is_file():
             try:  # (job=sft reads .jsonl / .json files alone: _sft_data; RL prompt rows: agents/rules.py check_prompts)
