@@ -728,8 +728,8 @@ def test_an_sft_image_part_of_its_own_image_is_refused_naming_the_form_sft_reads
     key, value = next((k, v) for k, v in part.items() if k != "type")
     assert _sft_problems(str(path), train__batch_size=1) == [
         f"- data.train_path: {path}: SFT row 0: data.input_key='input': messages[0].content[1] is an image part "
-        f"of its own image ({key!r}: {value!r}), a form the run does not read. Fix: give the row's images in the column "
-        "data.image_key names, and a bare {'type': 'image'} part (or an <image> marker) where each goes"]
+        f"of its own image ({key!r}: {value!r}), a form the run does not read. Fix: give the row's images in the "
+        "column data.image_key names, and a bare {'type': 'image'} part (or an <image> marker) where each goes"]
     bare = [{"role": "user", "content": [{"type": "text", "text": "colour?"}, {"type": "image"}]}]
     path.write_text(json.dumps({"input": bare, "output": "R"}) + "\n")
     assert _sft_problems(str(path), train__batch_size=1) == []
