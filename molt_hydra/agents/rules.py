@@ -20,8 +20,8 @@ from molt_hydra.agents.wire.request import RequestError
 from molt_hydra.config.bounds import get
 from molt_hydra.config.schema import RunConfig
 from molt_hydra.config.validate import Problems, changed
-from molt_hydra.data.prompts import (BUILTIN, BUILTIN_TASKS, IMAGE_FIX, PROMPT_FIX, builtin_size, check_prompt_rows,
-                                     combined, unfound_image)
+from molt_hydra.data.prompts import (BUILTIN, BUILTIN_TASKS, IMAGE_FIX, IMAGE_PART_FIX, PROMPT_FIX, builtin_size,
+                                     check_prompt_rows, combined, own_image_part, unfound_image)
 from molt_hydra.data.rules import raised, readable_local
 from molt_hydra.models.rules import has_chat_template
 
@@ -219,7 +219,7 @@ def check_prompts(cfg: RunConfig, problems: Problems, chat: bool) -> tuple[dict[
                     templated.setdefault(key, f"{part} row {at} ({kind})")
                 for i, row in enumerate(rows):
                     tools = row.get("tools") if chat else None
-                    if (problem := _prompt_problem(row["prompt"], d.max_images_per_prompt, tools)):
+                    if (problem := _prompt_problem(row["prompt"], d.max_images_per_prompt, tools, chat)):
                         column, value = ("tools_key", row["tools"]) if problem[0].startswith("tools") else (
                             "input_key", row["prompt"])
                         raise ValueError(f"{part} row {i}: data.{column}={getattr(d, column)!r} is {value!r:.60}; "
@@ -304,12 +304,19 @@ TOOLS_FIX = ("give each row's tools as OpenAI chat function tools, [{'type': 'fu
              "'parameters': {...}}}, ...], each name once")
 
 
-def _prompt_problem(prompt, max_images: int, tools: list | None = None) -> tuple[str, str] | None:
+def _prompt_problem(prompt, max_images: int, tools: list | None, chat: bool) -> tuple[str, str] | None:
     """(why, fix) where the chat server would refuse `prompt` as a request's messages, with the row's `tools` (its own
     parser, its image loader for each image part, the engines' image limit), or None. (Was: a row's tools in another
     shape, e.g. the Responses API's flat one, or two of one name, passed; a chat agent's every request was a 400.)"""
     if isinstance(prompt, str) and tools is None:
         return None
+    # (was, for a chat agent, the parser's "unsupported content part type 'image'"; an Env's step runner reads no
+    # image_url part: each rollout failed on an image placeholder without its image)
+    if own := own_image_part(prompt, ("image",) if chat else ("image", "image_url")):
+        return own[0], (f"write it as {{'type': 'image_url', 'image_url': {{'url': {own[1]!r:.60}}}}} (an image "
+                        "file's path or a base64 data: URI), or as a bare {'type': 'image'} part with the row's image "
+                        "in the column data.image_key names" if chat else f"{IMAGE_PART_FIX}; an Env's first prompt "
+                        "takes no image_url part (a ChatAgent's server does)")
     # a bare {"type": "image"} part is the row's next image, as an `<image>` marker is (prompt_messages)
     body = {"messages": [{"role": "user", "content": prompt}] if isinstance(prompt, str) else [
         dict(m, content=[{"type": "text", "text": "<image>"} if row_image_part(p) else p for p in m["content"]])

@@ -130,6 +130,8 @@ def load_dataset(spec: str, split: str, config: str | None = None, config_fix: s
     name (the last two of config `config`; `config_fix`: how the caller's user picks one), as one split."""
     import datasets
 
+    if why := unread_name(spec):
+        raise ValueError(why)
     path = Path(spec).expanduser()  # as validation reads it (config/validate.py check_location)
     # a directory is read as one whatever its name (was, for one named *.jsonl: "[Errno 21] Is a directory")
     if path.suffix in FILE_TYPES and not os.path.isdir(path):  # a missing file: datasets' FileNotFoundError names it
@@ -151,6 +153,32 @@ def load_dataset(spec: str, split: str, config: str | None = None, config_fix: s
     if saved_dir(path):
         return _saved(path, split)
     return _repository(str(path) if os.path.isdir(path) else spec, split, config, config_fix)
+
+
+READABLE = (f"a data file ({', '.join(sorted(FILE_TYPES))}), a directory of data files or a save_to_disk "
+            "directory")
+COMPRESSED = (".gz", ".bz2", ".xz", ".zst", ".zip", ".lz4")
+
+
+def unread_name(spec: str) -> str | None:
+    """Why the run reads no dataset at local name `spec` ("reason. Fix: fix"): a file of a suffix it does not read,
+    the fix for an upper-case or compressed one its own, or a file name pattern; else None. Validation's check too
+    (data/rules.py). Was: each taken for a hub id: "Couldn't find any data file at" a file that is there; for a
+    pattern 'neither an existing file or directory nor a hub id (Repo id must be in the form ...)'."""
+    path = Path(spec).expanduser()
+    if os.path.isfile(path) and path.suffix not in FILE_TYPES:
+        inner = Path(path.stem).suffix
+        fix = (f"rename it to {path.with_suffix(path.suffix.lower()).name} (suffixes are read in lower case)"
+               if path.suffix.lower() in FILE_TYPES else
+               f"decompress it to {path.stem} (e.g. gunzip -k {path}), and point the key at that file"
+               if path.suffix.lower() in COMPRESSED and inner.lower() in FILE_TYPES else f"convert it to {READABLE}")
+        return (f"{str(path)!r} is a file of a type the run does not read (suffix {path.suffix or 'none'!r}). "
+                f"Fix: {fix}")
+    if any(c in spec for c in "*?") and not os.path.lexists(path):  # (no hub id holds these)
+        return (f"{spec!r} is a file name pattern, and the run expands none. Fix: point the key at the directory "
+                "that holds the files (read as one dataset), or name each file, comma-separated (job=sft reads one "
+                "file: concatenate them into one)")
+    return None
 
 
 def saved_dir(path: Path) -> bool:
@@ -292,6 +320,8 @@ def _table(spec: str, split: str, config: str | None) -> tuple:
     """(rows, column names) of a dataset. A JSON file's rows are read here as written, each row's missing keys null
     as datasets reads them: datasets reads a column of mixed types (a label "1" in one row, {"x": 1} in another) as
     Json and decodes its strings, the label "1" read as 1, "null" as None, "42" as a prompt as the number 42."""
+    if why := unread_name(spec):  # (before the JSON files' read: a pattern is no file)
+        raise ValueError(why)
     if (path := Path(spec).expanduser()).suffix in JSON_TYPES and not os.path.isdir(path):
         rows = check_json_rows(path)
         columns = sorted({key for row in rows for key in row})
@@ -342,11 +372,12 @@ def load_prompts(spec: str, *, split: str = "train", config_name: str | None = N
                  label_key: str | None = "label", tools_key: str | None = None, image_key: str | None = None,
                  max_samples: int | None = None, probs: list[float] | None = None, seed: int = 0,
                  max_images_per_prompt: int = 0, blank_images: bool = False, image_fits=None,
-                 template_fits=None) -> list[dict]:
+                 template_fits=None, prompt_tokens=None, lengths: tuple[int, int] = (0, 0)) -> list[dict]:
     """Rows from comma-separated specs; several specs are concatenated, or interleaved with `probs`. Each row's prompt
     is one `template_fits(prompt, tools)` renders (`usable_template_rows`). Images of `image_key` become PIL images, at
     most `max_images_per_prompt` per row, each one `image_fits` takes (`usable_image_rows`); `blank_images` replaces
-    each by a grey one of its size."""
+    each by a grey one of its size. Prompts over the room `lengths` (data.max_len, max_new_tokens) leave are counted
+    (`count_long_prompts`, by `prompt_tokens`)."""
     specs = [s.strip() for s in spec.split(",") if s.strip()]  # `probs`: one per spec (DataConfig checks it)
     if not all(p > 0 for p in probs or ()):  # never drawn, its rows would never be exhausted: the loop below hangs
         raise ValueError(f"data.train_probs={list(probs)}: every dataset needs a probability > 0")
@@ -358,6 +389,8 @@ def load_prompts(spec: str, *, split: str = "train", config_name: str | None = N
         if not rows:
             raise ValueError(f"{s} has no rows")
         rows = usable_template_rows(rows, s, template_fits) if template_fits is not None else rows
+        if prompt_tokens is not None:
+            count_long_prompts(rows, s, prompt_tokens, *lengths)
         rows = usable_image_rows(rows, s, image_key or "images", max_images_per_prompt, blank_images,
                                  fits=image_fits)
         parts.append(rows)
@@ -481,6 +514,26 @@ def usable_template_rows(rows: list[dict], spec: str, fits) -> list[dict]:
     return [row for i, row in enumerate(rows) if i not in gone] if gone else rows
 
 
+def count_long_prompts(rows: list[dict], spec: str, tokens, max_len: int, max_new_tokens: int) -> None:
+    """Log the rows whose prompt, `tokens(prompt, tools, room)` as the agent runners render it (at most `room` where
+    it fits), is over the `room` data.max_len leaves beside max_new_tokens, counted, with their row ids. Kept: an Env's
+    reset may shorten it. Was: found at each rollout of each row, a log line a rollout (the step runner's left cut),
+    never counted. A refusal of the chat template that its text alone decides is left to the rollout."""
+    room, long = max_len - max_new_tokens, {}
+    for i, row in enumerate(rows):
+        try:
+            if (n := tokens(row["prompt"], row.get("tools"), room)) > room:
+                long[i] = n
+        except (TemplateError, TypeError, ValueError):  # (ValueError: messages and no chat template: the runners')
+            continue
+    if long:
+        log.warning("data: %d of %d rows of %s have prompts over the %d tokens data.max_len=%d leaves them beside "
+                    "max_new_tokens=%d (the longest %d tokens; row ids %s): an Env's rollout left-truncates each (one "
+                    "with images fails), a chat agent's first turn generates fewer tokens, none over data.max_len. "
+                    "Fix: raise data.max_len, lower the max_new_tokens, or filter those rows out", len(long),
+                    len(rows), spec, room, max_len, max_new_tokens, max(long.values()), list(long)[:20])
+
+
 def _shape(row: dict) -> tuple:
     """What a chat template decides on, short of the text: each message's role, the keys it sets and its content's
     kind (text, or the types of its parts), and the row's tools."""
@@ -528,6 +581,27 @@ def image_places(prompt) -> int:
     contents = [m.get("content") for m in prompt if isinstance(m, dict)] if isinstance(prompt, list) else []
     return sum(image_places(c) if isinstance(c, str) else sum(
         isinstance(p, dict) and p.get("type") == "image" for p in c) if isinstance(c, list) else 0 for c in contents)
+
+
+IMAGE_PART_FIX = ("give the row's images in the column data.image_key names, and a bare {'type': 'image'} part (or an "
+                  "<image> marker) where each goes")
+
+
+def own_image_part(messages, kinds: tuple[str, ...] = ("image",)) -> tuple[str, object] | None:
+    """(why, its image) for the first content part of chat `messages` that names its own image, a form the run does
+    not read: one of type "image" with an image (`{"type": "image", "image": PATH}`, the HF chat templates' form; a
+    bare one is the row's next image), or of another of `kinds` (job=sft reads images from data.image_key alone, so
+    "image_url" too); else None."""
+    for i, m in enumerate(messages if isinstance(messages, list) else ()):
+        content = m.get("content") if isinstance(m, dict) else None
+        for j, part in enumerate(content if isinstance(content, list) else ()):
+            kind = part.get("type") if isinstance(part, dict) else None
+            image = next(((k, v) for k, v in part.items() if k != "type" and v is not None), None) \
+                if kind in kinds else None
+            if image is not None:
+                return (f"messages[{i}].content[{j}] is an image part of its own image ({image[0]!r}: "
+                        f"{image[1]!r:.60}), a form the run does not read", image[1])
+    return None
 
 
 def unread_images(where: str, column: str) -> str:

@@ -10,7 +10,8 @@ from molt_hydra.config.bounds import get
 from molt_hydra.config.schema import RunConfig
 from molt_hydra.config.validate import Problems, changed, check_location
 from molt_hydra.data.prompts import (BUILTIN, BUILTIN_TASKS, FILE_TYPES, IMAGE_COLUMNS, IMAGE_TASKS, JSON_TYPES,
-                                     SFT_TASKS, builtin_size, image_places, saved_dir, unread_images)
+                                     READABLE, SFT_TASKS, builtin_size, image_places, saved_dir, unread_images,
+                                     unread_name)
 from molt_hydra.data.sft_dataset import check_sft_rows
 
 COLUMN_KEYS = ("data.input_key", "data.label_key", "data.tools_key", "data.image_key")
@@ -32,11 +33,13 @@ def check_data(cfg: RunConfig, problems: Problems) -> None:
                        f"{', '.join(map(str, empty))} of its {len(entries)} comma-separated entries.",
                        "name one dataset between each two commas, or remove the extra comma")
         for part in parts:
-            if not part.startswith(BUILTIN):
+            if part.startswith(BUILTIN):
+                problems.check(part[len(BUILTIN):] in BUILTIN_TASKS, key, f"{part!r} is not a builtin task.", fix)
+            elif why := unread_name(part):  # (a suffix or a pattern: its own fix, not a hub id's)
+                raised(problems, key, ValueError(why), fix)
+            else:
                 check_location(problems, key, part, "file or directory", fix)
                 _check_local(cfg, problems, key, Path(part).expanduser())
-                continue
-            problems.check(part[len(BUILTIN):] in BUILTIN_TASKS, key, f"{part!r} is not a builtin task.", fix)
         image = next((p for p in parts if p.startswith(BUILTIN) and p[len(BUILTIN):] in IMAGE_TASKS), None)
         problems.check(image is None or d.max_images_per_prompt > 0, "data.max_images_per_prompt",  # once per key
                        f"{key} has image rows ({image}), but 0 images per prompt reach the engine (a text-only setup).",
@@ -68,22 +71,18 @@ def check_data(cfg: RunConfig, problems: Problems) -> None:
 def _check_local(cfg: RunConfig, problems: Problems, key: str, path: Path) -> None:
     """A local dataset the run can read (`readable_local`); job=sft: its chat rows pass the loader's checks (RL prompt
     rows: agents/rules.py check_prompts, with the chat server's parser). Before, each failed once the run had started
-    Ray and its engines: a malformed line or row, an unknown suffix ('Couldn't find any data file at' a file that is
-    there). A directory is read as datasets reads it (save_to_disk output, or data files: agents/rules.py)."""
-    readable = f"a data file ({', '.join(sorted(FILE_TYPES))}), a directory of data files or a save_to_disk directory"
+    Ray and its engines: a malformed line or row (an unknown suffix: data/prompts.py unread_name). A directory is read
+    as datasets reads it (save_to_disk output, or data files: agents/rules.py)."""
     if readable_local(path):
         if cfg.job.value == "sft" and path.suffix in JSON_TYPES and path.is_file():
             try:  # (job=sft reads .jsonl / .json files alone: _sft_data; RL prompt rows: agents/rules.py check_prompts)
                 rows = check_sft_rows(str(path), cfg.data.input_key, cfg.data.output_key)
             except (KeyError, OSError, ValueError) as e:
-                raised(problems, key, e, f"point {key} at {readable}")
+                raised(problems, key, e, f"point {key} at {READABLE}")
                 return
             _sft_images(cfg, problems, str(path), rows)
             if key == "data.train_path":
                 _sft_fills_a_batch(cfg, problems, str(path), len(rows))
-    elif os.path.isfile(path) and path.suffix not in FILE_TYPES:
-        problems.check(False, key, f"{str(path)!r} is a file of a type the run does not read (suffix "
-                       f"{path.suffix or 'none'!r}).", f"convert it to {readable}")
 
 
 def readable_local(spec: str | Path) -> bool:

@@ -18,7 +18,8 @@ from pathlib import Path
 import torch
 from jinja2 import TemplateError
 
-from molt_hydra.data.prompts import BUILTIN, JSON_TYPES, builtin_rows, check_json_rows, usable_image_rows
+from molt_hydra.data.prompts import (BUILTIN, IMAGE_PART_FIX, JSON_TYPES, builtin_rows, check_json_rows,
+                                     own_image_part, usable_image_rows)
 from molt_hydra.models.vlm import NOT_GENERATED, image_parts
 
 log = logging.getLogger(__name__)
@@ -102,6 +103,9 @@ def _check_row(row, index: int, input_key: str, output_key: str | None) -> None:
                 raise ValueError(f"SFT row {index}: data.{key}={column!r} holds {message!r:.60}, not a chat message. "
                                  f"Fix: make each message an object with a 'role' (one of {', '.join(ROLES)}) and "
                                  "its 'content' (a string or a list of parts, each an object)")
+        # images come from data.image_key alone (was: trained without the image; a VLM's template placed it)
+        if own := own_image_part([value] if isinstance(value, dict) else value, ("image", "image_url")):
+            raise ValueError(f"SFT row {index}: data.{key}={column!r}: {own[0]}. Fix: {IMAGE_PART_FIX}")
 
 
 def check_sft_rows(path: str, input_key: str, output_key: str | None) -> list:

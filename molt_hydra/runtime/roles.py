@@ -294,15 +294,27 @@ def _load_rows(cfg: RunConfig, scoring: bool, tokenizer=None) -> tuple[list, lis
         messages = [{"role": "user", "content": prompt}] if isinstance(prompt, str) else prompt
         tokenizer.apply_chat_template(messages, tools=tools, tokenize=False, add_generation_prompt=True)
 
+    def prompt_tokens(prompt, tools, room: int) -> int:  # the first prompt's tokens, as the step runner counts them
+        text = prompt if isinstance(prompt, str) and not d.apply_chat_template else tokenizer.apply_chat_template(
+            [{"role": "user", "content": prompt}] if isinstance(prompt, str) else prompt, tools=tools, tokenize=False,
+            add_generation_prompt=True)
+        # a token holds a byte at least (byte-level BPE, byte fallback), bar one leading word marker: most prompts fit
+        # uncounted (100k short rows: 2.8 s rendered so, ~20 s tokenized as well; the tiny model, 2 cores)
+        size = len(text.encode())
+        return size + 1 if size < room else len(tokenizer(text, add_special_tokens=False)["input_ids"])
+
     rows = dict(input_key=d.input_key, label_key=d.label_key, tools_key=d.tools_key, image_key=d.image_key,
                 max_images_per_prompt=d.max_images_per_prompt, blank_images=d.blank_images,
                 image_fits=images and images.added_tokens,
-                template_fits=template_fits if tokenizer.chat_template else None)  # (none: the runners' error)
+                template_fits=template_fits if tokenizer.chat_template else None,  # (none: the runners' error)
+                prompt_tokens=prompt_tokens if tokenizer.chat_template or not d.apply_chat_template else None)
+    generated = cfg.rollout.max_new_tokens or d.max_len // 2  # (roles.py's sampling; eval's: the controller's)
     eval_rows = _named("eval.data_path", load_prompts, cfg.eval.data_path, split=cfg.eval.split,
-                       config_name=cfg.eval.config_name, **rows) if cfg.eval.data_path else None
+                       config_name=cfg.eval.config_name, lengths=(d.max_len, cfg.eval.max_new_tokens or generated),
+                       **rows) if cfg.eval.data_path else None
     prompts = eval_rows if scoring else _named(
         "data.train_path", load_prompts, d.train_path, split=d.split, config_name=d.config_name,
-        max_samples=d.max_samples, probs=d.train_probs, seed=cfg.seed, **rows)
+        max_samples=d.max_samples, probs=d.train_probs, seed=cfg.seed, lengths=(d.max_len, generated), **rows)
     if cfg.job.value == "rl" and len(prompts) < (b := cfg.rollout.batch_size):
         raise ValueError(f"data.train_path={d.train_path} has {len(prompts)} row(s) to train on as loaded, fewer "
                          f"than the rollout.batch_size={b} prompts each step takes: a step would train on a partial "

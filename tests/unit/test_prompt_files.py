@@ -89,6 +89,14 @@ SERVER_REFUSED = {
     "two_image_parts.jsonl": ('{"prompt": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": '
                               '"a.png"}}, {"type": "image_url", "image_url": {"url": "b.png"}}]}], "label": "1"}\n',
                               "; 2 image parts > data.max_images_per_prompt=1, the engines' per-prompt limit. Fix: "),
+    # the HF chat templates' form; before: "unsupported content part type 'image' (text, image_url)", though a bare
+    # {"type": "image"} part is read, and a fix naming neither form the run reads
+    "own_image_part.jsonl": ('{"prompt": [{"role": "user", "content": [{"type": "text", "text": "see"}, {"type": '
+                             '"image", "image": "/data/x.png"}]}], "label": "1"}\n',
+                             "; messages[0].content[1] is an image part of its own image ('image': '/data/x.png'), "
+                             "a form the run does not read. Fix: write it as {'type': 'image_url', 'image_url': "
+                             "{'url': '/data/x.png'}} (an image file's path or a base64 data: URI), or as a bare "
+                             "{'type': 'image'} part with the row's image in the column data.image_key names"),
 }
 
 
@@ -163,7 +171,9 @@ def test_a_prompt_the_chat_server_would_refuse_is_a_config_error_naming_the_row(
     text, reason = SERVER_REFUSED[name]
     path = tmp_path / name
     path.write_text(text)
-    [problem] = _config_problems(str(path), max_images_per_prompt=1)
+    # a row's own images reach a chat agent's server alone (an Env's: test_an_image_url_part_in_an_envs_row_...)
+    runner = CHAT_AGENT if "image" in name else None
+    [problem] = _config_problems(str(path), max_images_per_prompt=1, runner=runner)
     assert problem.startswith(f"- data.train_path: {path} row ") and reason in problem, problem
 
 
@@ -631,3 +641,115 @@ def test_a_parquet_or_arrow_file_of_no_rows_is_named_as_the_other_empty_inputs_a
     with pytest.raises(ValueError) as err:
         _named("data.train_path", load_prompts, str(path))
     assert str(err.value) == f"data.train_path={path}: {reason}"
+
+
+READABLE = "a data file (.arrow, .csv, .json, .jsonl, .parquet), a directory of data files or a save_to_disk directory"
+
+
+@pytest.mark.parametrize("name, fix", [
+    ("train.JSONL", "rename it to train.jsonl (suffixes are read in lower case)"),
+    ("train.jsonl.gz", "decompress it to train.jsonl (e.g. gunzip -k FILE), and point the key at that file"),
+    ("train.json.gz", "decompress it to train.json (e.g. gunzip -k FILE), and point the key at that file"),
+    ("rows.txt", f"convert it to {READABLE}")])
+def test_a_file_of_a_suffix_the_run_does_not_read_is_named_with_the_fix_for_its_suffix(tmp_path, name, fix):
+    """An upper-case suffix or a compressed file, at validation and at load (python -m molt_hydra.data.prepare
+    --source has no validation). Before: validation told to 'convert' a JSONL file the run reads once renamed, or a
+    compressed one; the load took the file for a hub dataset: "Couldn't find any data file at" the file that is
+    there."""
+    path = tmp_path / name
+    path.write_text('{"prompt": "a", "label": "1"}\n')
+    suffix = name.rsplit(".", 1)[1]
+    reason = (f"{str(path)!r} is a file of a type the run does not read (suffix '.{suffix}'). "
+              f"Fix: {fix.replace('FILE', str(path))}")
+    assert _config_problems(str(path)) == [f"- data.train_path: {reason}"]
+    with pytest.raises(ValueError) as err:
+        _named("data.train_path", load_prompts, str(path))
+    assert str(err.value) == f"data.train_path={path}: {reason}"
+
+
+def test_a_file_name_pattern_is_refused_naming_the_directory_as_the_fix(tmp_path):
+    """Before: "is neither an existing file or directory nor a hub id (Repo id must be in the form 'repo_name' ...)"
+    at validation, and "[Errno 2] No such file or directory" at load; the pattern's files exist."""
+    for n in (1, 2):
+        (tmp_path / f"part{n}.jsonl").write_text('{"prompt": "a", "label": "1"}\n')
+    spec = str(tmp_path / "part*.jsonl")
+    reason = (f"{spec!r} is a file name pattern, and the run expands none. Fix: point the key at the directory "
+              "that holds the files (read as one dataset), or name each file, comma-separated (job=sft reads one "
+              "file: concatenate them into one)")
+    assert _config_problems(spec) == [f"- data.train_path: {reason}"]
+    with pytest.raises(ValueError) as err:
+        _named("data.train_path", load_prompts, spec)
+    assert str(err.value) == f"data.train_path={spec}: {reason}"
+    assert len(load_prompts(str(tmp_path))) == 2  # the fix: the directory, its two files one dataset
+
+
+
+def test_prompts_over_the_room_their_first_turn_leaves_are_counted_at_load(tmp_path, tiny_model, caplog):
+    """A prompt of more tokens than data.max_len leaves beside rollout.max_new_tokens (an Env's rollout left-truncates
+    it; a chat agent's turn generates fewer tokens, over data.max_len none): counted at load, with the row ids, the
+    longest and the fix. Before: found at each rollout of each row, one log line a rollout, never counted."""
+    import logging
+
+    from transformers import AutoTokenizer
+
+    from molt_hydra.runtime.roles import _load_rows
+
+    tok = AutoTokenizer.from_pretrained(tiny_model)
+    prompts = ["short", "word " * 40, "hi", "word " * 60, [{"role": "user", "content": "word " * 50}]]
+    path = tmp_path / "rows.jsonl"
+    path.write_text("".join(json.dumps({"prompt": p, "label": str(i)}) + "\n" for i, p in enumerate(prompts)))
+    cfg = _run_config(str(path), 2, max_len=96)
+    cfg.rollout.max_new_tokens = 32  # room: 96 - 32 = 64 tokens
+    texts = [tok.apply_chat_template([{"role": "user", "content": p}] if isinstance(p, str) else p, tokenize=False,
+                                     add_generation_prompt=True) for p in prompts]  # as the step runner renders them
+    sizes = [len(tok(text, add_special_tokens=False)["input_ids"]) for text in texts]
+    longs = [i for i, n in enumerate(sizes) if n > 64]
+    assert longs == [1, 3, 4], sizes  # (the words' sizes are chosen for it)
+    with caplog.at_level(logging.WARNING, logger="molt_hydra.data.prompts"):
+        rows, _ = _load_rows(cfg, scoring=False)
+    assert len(rows) == 5  # counted, none dropped: an Env's reset may shorten its prompt
+    assert [r.getMessage() for r in caplog.records] == [
+        f"data: 3 of 5 rows of {path} have prompts over the 64 tokens data.max_len=96 leaves them beside "
+        f"max_new_tokens=32 (the longest {max(sizes)} tokens; row ids [1, 3, 4]): an Env's rollout left-truncates "
+        "each (one with images fails), a chat agent's first turn generates fewer tokens, none over data.max_len. "
+        "Fix: raise data.max_len, lower the max_new_tokens, or filter those rows out"]
+
+
+@pytest.mark.parametrize("part", [{"type": "image", "image": "/data/x.png"},
+                                  {"type": "image_url", "image_url": {"url": "/data/x.png"}}])
+def test_an_sft_image_part_of_its_own_image_is_refused_naming_the_form_sft_reads(tmp_path, part):
+    """job=sft reads a row's images from data.image_key alone. Before: such a part passed validation, and the row was
+    trained without its image (a VLM's chat template rendered its placeholder, given no pixels)."""
+    from test_loss_mask import _sft_problems
+
+    path = tmp_path / "chats.jsonl"
+    prompt = [{"role": "user", "content": [{"type": "text", "text": "colour?"}, part]}]
+    path.write_text(json.dumps({"input": prompt, "output": "R"}) + "\n")
+    key, value = next((k, v) for k, v in part.items() if k != "type")
+    assert _sft_problems(str(path), train__batch_size=1) == [
+        f"- data.train_path: {path}: SFT row 0: data.input_key='input': messages[0].content[1] is an image part "
+        f"of its own image ({key!r}: {value!r}), a form the run does not read. Fix: give the row's images in the "
+        "column data.image_key names, and a bare {'type': 'image'} part (or an <image> marker) where each goes"]
+    bare = [{"role": "user", "content": [{"type": "text", "text": "colour?"}, {"type": "image"}]}]
+    path.write_text(json.dumps({"input": bare, "output": "R"}) + "\n")
+    assert _sft_problems(str(path), train__batch_size=1) == []
+
+
+def test_an_image_url_part_in_an_envs_row_is_refused_a_chat_agents_taken(tmp_path):
+    """An Env's first prompt takes its images from data.image_key alone (the step runner reads no image_url part; a
+    chat agent's server does). Before: such a row passed validation, and each of its rollouts failed as an
+    agent_exception ("holds 1 of this vision model's image placeholder ... for the row's 0 image(s)"), every epoch."""
+    from PIL import Image
+
+    Image.new("RGB", (8, 8), "red").save(tmp_path / "x.png")
+    url = str(tmp_path / "x.png")
+    path = tmp_path / "rows.jsonl"
+    prompt = [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": url}},
+                                           {"type": "text", "text": "colour?"}]}]
+    path.write_text(json.dumps({"prompt": prompt, "label": "R"}) + "\n")
+    assert _config_problems(str(path), max_images_per_prompt=1) == [
+        f"- data.train_path: {path} row 0: data.input_key='prompt' is {prompt!r:.60}; messages[0].content[0] is an "
+        f"image part of its own image ('image_url': {{'url': {url!r:.52}), a form the run does not read. Fix: give the "
+        "row's images in the column data.image_key names, and a bare {'type': 'image'} part (or an <image> marker) "
+        "where each goes; an Env's first prompt takes no image_url part (a ChatAgent's server does)"]
+    assert _config_problems(str(path), max_images_per_prompt=1, runner=CHAT_AGENT) == []

@@ -117,9 +117,9 @@ def test_an_image_the_models_processor_refuses_drops_its_row_at_load(tmp_path, c
     path = _write_rows(tmp_path, [[{"bytes": _png((10, 20, 30), size), "path": None}] for size in sizes])
     data = ns(input_key="prompt", label_key="label", tools_key=None, image_key="images", max_images_per_prompt=1,
               blank_images=False, train_path=path, split="train", config_name=None, max_samples=None, train_probs=None,
-              apply_chat_template=True)
+              apply_chat_template=True, max_len=2048)
     cfg = ns(data=data, model=ns(path="tiny://qwen25_vl_tiny", tokenizer_path=None), eval=ns(data_path=None),
-             job=ns(value="rl"), rollout=ns(batch_size=1), seed=0)
+             job=ns(value="rl"), rollout=ns(batch_size=1, max_new_tokens=None), seed=0)
     with caplog.at_level(logging.WARNING, logger="molt_hydra.data.prompts"):
         prompts, _ = _load_rows(cfg, scoring=False)
     assert [r["label"] for r in prompts] == ["0", "2", "3"]
