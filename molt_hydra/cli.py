@@ -1271,19 +1271,20 @@ def validated(cfg: DictConfig, overrides: list[str]) -> RunConfig:
 
 def checked(cfg: DictConfig, overrides: list[str]):
     """Everything a run is checked against before it starts, raising ConfigError: the config `validated` (`overrides`:
-    the command line it was composed with), the machine (not in a dry run: it plans a GPU recipe anywhere), the plan
-    (which derives the colocated memory split and refuses one that cannot fit), the installed vLLM of a run that starts
-    engines, the directories the run writes (one not writable exits as runtime/writable.py says). Returns
-    (RunConfig, Plan)."""
+    the command line it was composed with), the machine and the data files the run reads (not in a dry run: it plans
+    a GPU recipe anywhere, before its data), the plan (which derives the colocated memory split and refuses one that
+    cannot fit), the installed vLLM of a run that starts engines, the directories the run writes (one not writable
+    exits as runtime/writable.py says). Returns (RunConfig, Plan)."""
     # deferred: the runtime imports torch, Ray and the agents (seconds), which --help and a config error never need
     from molt_hydra.compat.vllm import preflight
     from molt_hydra.config.validate import missing_gpu
+    from molt_hydra.data.rules import missing_data_files
     from molt_hydra.runtime.plan import make_plan
     from molt_hydra.runtime.writable import check_outputs
 
     run_cfg = validated(cfg, overrides)
-    if not run_cfg.dry_run and (problem := missing_gpu(run_cfg)):  # the machine, before the plan for it
-        raise ConfigError(problem)
+    if not run_cfg.dry_run and (problem := missing_gpu(run_cfg) or missing_data_files(run_cfg)):  # (a dry run plans
+        raise ConfigError(problem)  # a recipe anywhere, before its data is prepared)
     plan = make_plan(run_cfg)
     if not run_cfg.dry_run and run_cfg.job.value != "sft" and (
             problem := preflight(run_cfg.cluster.device.value, run_cfg.train.partial_rollout)):

@@ -170,6 +170,19 @@ def _sft_images(cfg: RunConfig, problems: Problems, source: str, rows: list) -> 
                    "set data.image_key=images (with a vision-language model.path)")
 
 
+def missing_data_files(cfg: RunConfig) -> str | None:
+    """Problem lines for the data files the run reads (a name with a data file's suffix: the loader never takes one
+    for a hub id) that are not there, or None. Was: the run started Ray and its engines, then failed loading it
+    ("[Errno 2]"). Not at validation: a dry run plans a recipe whose data is prepared later (recipes/README.md)."""
+    keys = ([] if cfg.job.value == "eval" else [("data.train_path", cfg.data.train_path)]) + [
+        ("eval.data_path", cfg.eval.data_path)]
+    lines = [f"- {key}: {part!r} names a data file, and there is none at {os.path.abspath(os.path.expanduser(part))}. "
+             "Fix: write or prepare it (python -m molt_hydra.data.prepare: recipes/README.md), or give its path"
+             for key, spec in keys for part in _specs(spec) if not part.startswith(BUILTIN)
+             and Path(part).suffix.lower() in FILE_TYPES and not os.path.lexists(os.path.expanduser(part))]
+    return "\n".join(lines) or None
+
+
 def _specs(spec: str | None) -> list[str]:
     return [p.strip() for p in (spec or "").split(",") if p.strip()]
 

@@ -269,6 +269,35 @@ def test_a_gpu_run_where_no_gpu_is_visible_is_refused_unless_ray_runs_elsewhere(
     assert missing_gpu(to_run_config(compose_config([]))) is None
 
 
+def test_a_data_file_that_is_not_there_is_refused_before_the_run_starts_but_planned_in_a_dry_run(tmp_path):
+    """A relative name (a hub id's form too, so validation passes it) with a data file's suffix is a file to the
+    loader, never a hub id: a real run whose data.train_path and eval.data_path name files not written yet fails
+    before Ray, naming each key and where it looked (was: "[Errno 2]" after Ray and the engines started); a dry run
+    plans it (a recipe's data is prepared later, recipes/README.md)."""
+    import os
+
+    from _config_helpers import REPO
+    from molt_hydra.data.rules import missing_data_files
+
+    train, held_out = f"not_here_{os.getpid()}/rows.jsonl", f"not_here_{os.getpid()}/held_out.CSV"
+    args = [f"data.train_path={train}", f"eval.data_path={held_out}", "eval.every_steps=5",
+            f"output_dir={tmp_path / 'out'}"]
+    refused, dry = run_cli_many([args, [*args, "dry_run=true"]])
+    assert refused.returncode == EXIT_CONFIG_ERROR, refused.stderr
+    assert f"- data.train_path: '{train}' names a data file, and there is none at {REPO / train}. Fix: write or " \
+        "prepare it" in refused.stderr
+    assert f"- eval.data_path: '{held_out}' names a data file, and there is none at {REPO / held_out}." \
+        in refused.stderr
+    assert "Traceback" not in refused.stderr and not (tmp_path / "out").exists()
+    assert dry.returncode == 0, dry.stderr
+    train, held_out = tmp_path / "rows.jsonl", tmp_path / "held_out.csv"
+    train.write_text('{"prompt": "1+1", "label": "2"}\n')
+    assert missing_data_files(to_run_config(compose_config([f"data.train_path={train}"]))) is None
+    # job=eval reads eval.data_path alone: its data.train_path is no file it needs
+    assert missing_data_files(to_run_config(compose_config(
+        ["job=eval", f"data.train_path={held_out}", f"eval.data_path={train}"]))) is None
+
+
 # job=eval scores the model with the engines: no trainer, no estimator, no checkpoint of its own, one evaluation
 EVAL_IGNORED = ["train.optimizer.lr=0.1", "train.epochs=2", "train.mode=sync", "train.timeouts.collective_s=60",
                 "parallelism.colocate=true", "algorithm.kl.coef=0.1", "algorithm=rloo", "model.param_dtype=float32",
