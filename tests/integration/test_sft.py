@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import json
 import random
+import re
+from pathlib import Path
 
 import pytest
 
@@ -72,3 +74,7 @@ def test_sft_metrics_keep_the_debug_grad_norms_nonfinite_count(tmp_path):
     assert len(norms) == 2 and all(v > 0 for v in norms.values())  # top 2 of every parameter (no filter)
     assert rec["actor_grad_nonfinite_params"] == 0.0  # a finite loss: every gradient finite
     assert json.loads((tmp_path / "sft_metrics.jsonl").read_text()) == rec
+    # every key of the row is documented (was: none of the SFT keys was in docs/metrics.md)
+    doc = Path(__file__).resolve().parents[2] / "docs" / "metrics.md"
+    documented = set(re.findall(r"`([^`]+)`", doc.read_text()))
+    assert {k.split("/")[0] + "/<param name>" if "/" in k else k for k in rec} <= documented
