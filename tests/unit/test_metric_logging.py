@@ -52,6 +52,14 @@ def test_progress_line_survives_a_nan_reward(capsys):
     assert "reward    nan" in out and "reward  0.500 " + "█" * 10 in out
 
 
+def test_the_eval_line_prints_datasource_names_as_they_are(capsys):
+    """A data source's name is the user's (the eval rows' `datasource`): printed verbatim. Before: rich read brackets
+    in it as markup: `eval_math[hard]_pass1` was shown as `eval_math_pass1`, and a `[/...]` in a name failed the eval
+    with rich's MarkupError."""
+    Progress(total_steps=2).eval(1, {"eval_math[hard]_pass1": 0.5, "eval_a[/b]_pass1": 0.25})
+    assert capsys.readouterr().out == "eval @ step 1: eval_a[/b]_pass1 0.250, eval_math[hard]_pass1 0.500\n"
+
+
 def test_rewind_keeps_one_row_per_step_after_a_resume(tmp_path):
     sinks = MetricSinks(tmp_path, run_name="t", config={}, wandb_mode="disabled")
     for step in (1, 2, 3):  # the interrupted run got past its step-2 checkpoint
