@@ -219,10 +219,11 @@ def experience_metrics(experiences: Sequence[Experience], returns: torch.Tensor,
     for k in sorted({k for e in experiences for k in e.info}):
         values = [e.info[k] for e in experiences if k in e.info]
         finite = [v for v in values if math.isfinite(v)]
+        name = f"info/{k}" if k in ("reward", "score", "return") else k  # (was: overwritten below without a word)
         if finite:
-            metrics[k] = mean(finite)
+            metrics[name] = mean(finite)
         if len(finite) < len(values):
-            metrics[f"{k}_nonfinite"] = float(len(values) - len(finite))
+            metrics[f"{name}_nonfinite"] = float(len(values) - len(finite))
     metrics["reward"] = mean([e.reward for e in experiences])
     metrics["score"] = mean([e.score for e in experiences])
     # each sample's mean over its action tokens, then over the samples, as Molt's (was: one token mean over the batch,

@@ -11,7 +11,7 @@ from rich.console import Console
 class Progress:
     def __init__(self, total_steps: int | None, enabled: bool = True):
         self.total, self.enabled = total_steps, enabled
-        self.console = Console(highlight=False, soft_wrap=True)
+        self.console = Console(highlight=False, soft_wrap=True, markup=False)  # names are the user's (datasource)
         self.started = time.monotonic()
         self.first_step: int | None = None
 

@@ -159,7 +159,8 @@ def _sft_rank(rank: int, world: int, port: int, kw: dict):
         m = worker.train_step([train[j] for j in order[i * bs:(i + 1) * bs][rank::world]], SFTObjective())
         rec = {"global_step": step + 1, "epoch": epoch, "sft_loss": m["sft_loss"], "lr": m["actor_lr"],
                "grad_norm": m["actor_grad_norm"], "tokens_per_sec": m["perf/train_tokens_per_sec"],
-               **{k: v for k, v in m.items() if k.startswith("actor_grad_norm/")}}  # logger.debug_grad_norms
+               **{k: v for k, v in m.items()  # logger.debug_grad_norms (was: the non-finite count left out)
+                  if k.startswith("actor_grad_norm/") or k == "actor_grad_nonfinite_params"}}
         last = step + 1 == total
         if stop is not None:  # each rank reads it at its own moment: they agree first (any rank that saw it)
             seen = torch.tensor([float(stop.value == STOP)])

@@ -182,7 +182,8 @@ class RLController:
         t0 = time.perf_counter()
         exps = self._trainable(batch.groups, metrics)
         if not exps:  # everything was dropped (and counted): nothing to train on this step
-            return {**metrics, **timing, "timing/make_experience": time.perf_counter() - t0, "_frozen": True}
+            return {**metrics, **timing, "timing/make_experience": time.perf_counter() - t0, "actor_frozen": 1.0,
+                    "_frozen": True}
         b = collate(exps, pad_token_id=roles.pad_token_id)
         steps = optimizer_steps_per_batch(cfg, len(exps))
         frozen = roles.critic is not None and self.step < cfg.train.critic.actor_freezing_steps

@@ -74,3 +74,18 @@ def test_reader_detection_sees_loads_and_ignores_calls():
     read = names_read_outside_config()
     assert {"kv_cache_gb", "max_inflight_groups", "timeout_s", "partition"} <= read  # roles.py, launcher yaml
     assert "get_scheduler" not in read  # only ever called
+
+
+def test_the_docs_name_only_schema_keys():
+    """Every backticked `group.key` (or `group.key=value`) in README.md, docs/ and recipes/README.md is a schema key or
+    group, so a renamed or removed knob cannot linger in the docs (docs/molt_options.md has its own test: its first
+    column holds Molt's flags). Before: docs/agents.md named `rollout.max_tokens` for max_new_tokens."""
+    keys = set(declared_bounds(RunConfig))
+    groups = {k.split(".")[0] for k in keys if "." in k}
+    docs = [REPO / "README.md", REPO / "recipes" / "README.md",
+            *sorted(p for p in (REPO / "docs").glob("*.md") if p.name != "molt_options.md")]
+    named = {(p.name, key) for p in docs for key in re.findall(r"`([a-z_]+(?:\.\w+)+)(?:=[^`]*)?`", p.read_text())}
+    # a key, a group (algorithm.kl) or a key inside a dict field (agent.runner.exec_timeout_s) is one of the schema's
+    stale = sorted((doc, key) for doc, key in named if key.split(".")[0] in groups and key not in keys
+                   and not any(k.startswith(key + ".") or key.startswith(k + ".") for k in keys))
+    assert not stale, f"docs name keys the schema does not have (file, key): {stale}"

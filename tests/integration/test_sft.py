@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import json
 import random
+import re
+from pathlib import Path
 
 import pytest
 
@@ -61,3 +63,18 @@ def test_sft_resume_continues_where_it_stopped(runs):
     assert [json.loads(line) for line in aside.read_text().splitlines()] == full
     cfg = json.loads((d / "part" / "hf" / "config.json").read_text())
     assert cfg["architectures"] == ["Qwen3ForCausalLM"]
+
+
+def test_sft_metrics_keep_the_debug_grad_norms_nonfinite_count(tmp_path):
+    """logger.debug_grad_norms in job=sft: each row has the top-k parameter grad norms and the count of parameters with
+    a NaN / inf gradient (docs/metrics.md). Before: the count was computed and left out of sft_metrics.jsonl."""
+    (rec,) = run_sft("tiny://qwen3_tiny", rows(8, 0), str(tmp_path), max_epochs=1, export_hf=False,
+                     debug_grad_norms=((), 2), **{**COMMON, "num_ranks": 1})
+    norms = {k: v for k, v in rec.items() if k.startswith("actor_grad_norm/")}
+    assert len(norms) == 2 and all(v > 0 for v in norms.values())  # top 2 of every parameter (no filter)
+    assert rec["actor_grad_nonfinite_params"] == 0.0  # a finite loss: every gradient finite
+    assert json.loads((tmp_path / "sft_metrics.jsonl").read_text()) == rec
+    # every key of the row is documented (was: none of the SFT keys was in docs/metrics.md)
+    doc = Path(__file__).resolve().parents[2] / "docs" / "metrics.md"
+    documented = set(re.findall(r"`([^`]+)`", doc.read_text()))
+    assert {k.split("/")[0] + "/<param name>" if "/" in k else k for k in rec} <= documented

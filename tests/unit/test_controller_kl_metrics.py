@@ -29,3 +29,26 @@ def test_a_reward_kl_logs_kl_and_logprobs_diff_as_per_sample_means():
     first, second = (0.5 - 1.0 + 0.0) / 3, 2.0  # old - ref over each sample's action tokens (k1: the same)
     assert metrics["logprobs_diff"] == pytest.approx((first + second) / 2)
     assert metrics["kl"] == pytest.approx((first + second) / 2)
+
+
+def test_a_step_with_nothing_to_train_logs_actor_frozen():
+    """docs/metrics.md: `actor_frozen` is 1 when a step had nothing to train. Before: such a step logged no
+    `actor_frozen` at all (a chart or filter on it skipped exactly the steps that trained nothing)."""
+    import asyncio
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "integration"))
+    from _old_logprob_jobs import batch
+
+    from molt_hydra.runtime.validate import validate
+
+    cfg = validate(to_run_config(compose_config(["rollout.batch_size=2", "rollout.n_samples_per_prompt=4",
+                                                 "train.batch_size=8", "train.micro_batch_size=8"])))
+    group = SimpleNamespace(num_ranks=1, dp_size=1, per_shard=list)
+    ctl = RLController(cfg, SimpleNamespace(actor=group, ref=None, critic=None, pad_token_id=0, calls=None), log=None)
+    nothing = batch("tiny://qwen3_tiny")
+    for g in nothing.groups:
+        for t in g.trajectories:
+            t.action_ranges = []  # no action token: every sample dropped
+    metrics = asyncio.run(ctl.train_step(nothing, {"timing/generation": 1.0}))
+    assert metrics["rollout/dropped/no_action_tokens"] == 8.0 and metrics["num_samples_trained"] == 0.0
+    assert metrics["actor_frozen"] == 1.0 and metrics["_frozen"] is True

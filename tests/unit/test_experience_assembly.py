@@ -145,3 +145,16 @@ def test_group_reward_std_is_each_groups_unbiased_std_of_its_rollouts_clipped_re
     std_g = (((1 - mean) ** 2 + (10 - mean) ** 2 + (4 - mean) ** 2) / 2) ** 0.5
     assert got.tolist() == pytest.approx([std_g] * 4 + [0.0])
     assert float(got.mean()) == pytest.approx((4 * std_g + 0.0) / 5)  # the metric
+
+
+def test_an_info_key_named_reward_score_or_return_is_logged_under_info():
+    """docs/metrics.md: an agent's Result.info key named as one of the step's own metrics is logged as `info/<key>`.
+    Before: an info `reward`, `score` or `return` was overwritten by the step's own mean and lost without a word."""
+    a, _ = to_experience(traj(generated=(5,), info={"reward": 0.25, "score": 7.0, "return": 3.0}), 16)
+    b, _ = to_experience(traj(generated=(6,), info={"reward": 0.75, "score": float("nan")}), 16)
+    a.reward, b.reward, a.score, b.score = 1.0, 0.0, 1.0, 0.0
+    batch = collate([a, b])
+    m = experience_metrics([a, b], torch.full(batch.action_mask.shape, 2.0), batch.action_mask)
+    assert (m["reward"], m["score"], m["return"]) == (0.5, 0.5, 2.0)  # the samples' own
+    assert (m["info/reward"], m["info/score"], m["info/return"]) == ((0.25 + 0.75) / 2, 7.0, 3.0)  # the agent's
+    assert m["info/score_nonfinite"] == 1.0 and "score_nonfinite" not in m

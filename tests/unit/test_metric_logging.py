@@ -52,6 +52,14 @@ def test_progress_line_survives_a_nan_reward(capsys):
     assert "reward    nan" in out and "reward  0.500 " + "█" * 10 in out
 
 
+def test_the_eval_line_prints_datasource_names_as_they_are(capsys):
+    """A data source's name is the user's (the eval rows' `datasource`): printed verbatim. Before: rich read brackets
+    in it as markup: `eval_math[hard]_pass1` was shown as `eval_math_pass1`, and a `[/...]` in a name failed the eval
+    with rich's MarkupError."""
+    Progress(total_steps=2).eval(1, {"eval_math[hard]_pass1": 0.5, "eval_a[/b]_pass1": 0.25})
+    assert capsys.readouterr().out == "eval @ step 1: eval_a[/b]_pass1 0.250, eval_math[hard]_pass1 0.500\n"
+
+
 def test_rewind_keeps_one_row_per_step_after_a_resume(tmp_path):
     sinks = MetricSinks(tmp_path, run_name="t", config={}, wandb_mode="disabled")
     for step in (1, 2, 3):  # the interrupted run got past its step-2 checkpoint
@@ -380,3 +388,46 @@ def test_every_steps_thins_wandb_only_and_the_last_step_reaches_it(tmp_path):
     (tmp_path / "done" / "resolved_config.yaml").write_text(yaml.safe_dump({"train": {"max_steps": 6}}))
     (point,) = report.load_points(tmp_path / "done")
     assert point.status == "completed"
+
+
+def test_every_metric_name_the_code_logs_is_in_docs_metrics():
+    """docs/metrics.md names every metric: the namespaced keys the code spells out (an f-string's by its literal
+    prefix, e.g. `drift/abs_logp_diff_`), and the keys the algorithm layer's losses and the experience means emit."""
+    import ast
+    import re
+
+    import torch
+
+    from molt_hydra.algorithm.drift import drift_metrics
+    from molt_hydra.algorithm.is_correction import ISCorrection
+    from molt_hydra.algorithm.loss import PolicyLoss
+    from molt_hydra.algorithm.value_loss import value_loss
+
+    repo = Path(__file__).resolve().parents[2]
+    doc = (repo / "docs" / "metrics.md").read_text()
+    # backticked names, `a/{b,c}` expanded; a `<...>` placeholder stands for any tail
+    named = set()
+    for tok in re.findall(r"`([^`\s]+)`", doc):
+        head, _, rest = tok.partition("{")
+        named |= {head + alt + rest.partition("}")[2] for alt in rest.partition("}")[0].split(",")} if rest else {tok}
+    namespaced = re.compile(r"(timing|perf|rollout|engine|routing|drift|weight_sync|agent|memory)/\w[\w/]*")
+    exact, prefixes = set(), set()
+    for path in (repo / "molt_hydra").rglob("*.py"):
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.Constant) and isinstance(node.value, str) and namespaced.fullmatch(node.value):
+                (prefixes if node.value.endswith(("/", "_")) else exact).add(node.value)
+            elif isinstance(node, ast.JoinedStr) and isinstance(first := node.values[0], ast.Constant):
+                if namespaced.fullmatch(first.value):
+                    prefixes.add(first.value)
+    mask = torch.tensor([[True, True, False]])
+    lp, old = torch.tensor([[-1.0, -2.0, 0.0]]), torch.tensor([[-1.5, -1.0, 0.0]])
+    emitted = {*PolicyLoss("ppo", entropy_coef=0.1, kl_use_loss=True, kl_estimator="k3", is_correction=ISCorrection(
+        "token"))(lp, old, torch.ones(1, 3), mask, rollout_log_probs=old, ref_log_probs=old, entropy=torch.ones(1, 3),
+                  kl_coef=0.1)[1],
+        *value_loss(torch.zeros(1, 3), torch.ones(1, 3), torch.ones(1, 3), mask)[1],
+        *drift_metrics(lp, old, mask, is_correction=ISCorrection("seq"), policy_versions=torch.zeros(1, 3),
+                       current_version=1)}
+    missing = sorted(k for k in exact | emitted if k not in named and not any(
+        n.endswith(">") and k.startswith(n.partition("<")[0]) for n in named))
+    missing += sorted(p for p in prefixes if not any(n.startswith(p) for n in named))
+    assert len(exact) > 60 and not missing, f"logged but not in docs/metrics.md: {missing}"
