@@ -274,19 +274,40 @@ def compose_checked(overrides: list[str], *, multirun: bool = False, config_dir:
     # a sweep (`-m a=1,2`) is checked at its first point; the sweeper composes the others, one job each
     overrides = [f"{o.get_key_element()}={firsts[text]}" if o.is_sweep_override() else text
                  for o, text in zip(parsed, overrides)]
-    register()
-    GlobalHydra.instance().clear()
-    try:
-        with initialize_config_dir(config_dir=PRIMARY["path"], version_base="1.3"):
-            cfg = compose(PRIMARY["name"], overrides=[*overrides, *search], return_hydra_config=hydra_config)
-            files = _files(cfg, parsed, overrides, search)
-    except VersionError:  # (compat/hydra.py: another hydra-core, not the user's override)
-        raise
-    except Exception as e:  # noqa: BLE001 -- every composition failure is the user's override
-        return None, [_composition_problem(e, overrides)]
-    problems = _converted(cfg, pairs) + yaml_text_problems(cfg, files, multirun) + _unresolved(cfg, pairs)
+    cfg, files, problems, kept = _composed(overrides, search, parsed, hydra_config)
+    if cfg is None:
+        return None, problems
+    pairs = [pairs[i] for i in kept]  # (one set aside is told already)
+    problems += _converted(cfg, pairs) + yaml_text_problems(cfg, files, multirun) + _unresolved(cfg, pairs)
     problems += _lists_resolved(cfg)[1]  # (a mapping given by one is read before the typed conversion)
     return (None, problems) if problems else (cfg, [])
+
+
+def _composed(overrides: list[str], search: list[str], parsed: list, hydra_config: bool) -> tuple:
+    """(the config composed, its YAML files, the composition's problems, the places of the overrides composed).
+    Hydra stops at the first value it cannot take, so `rollout.n_samples_per_prompt=abc train.optimizer.lr=xyz` named
+    only the first: an override of a value (no config group, not Hydra's) that fails is set aside and the rest composed
+    again, so every such key is named at once (the config is then that of the rest, for the checks that follow on the
+    overrides composed; its problems make the command fail)."""
+    register()
+    rest, problems = list(range(len(overrides))), []  # (the overrides' places: a text may be given twice, ~a ~a)
+    while True:
+        texts = [overrides[i] for i in rest]
+        GlobalHydra.instance().clear()
+        try:
+            with initialize_config_dir(config_dir=PRIMARY["path"], version_base="1.3"):
+                cfg = compose(PRIMARY["name"], overrides=[*texts, *search], return_hydra_config=hydra_config)
+                return cfg, _files(cfg, [parsed[i] for i in rest], texts, search), problems, rest
+        except VersionError:  # (compat/hydra.py: another hydra-core, not the user's override)
+            raise
+        except Exception as e:  # noqa: BLE001 -- every composition failure is the user's override
+            problems.append(line := _composition_problem(e, texts))
+        blamed = next((i for i in rest if not parsed[i].is_delete() and not _is_group(name := parsed[i].key_or_group)
+                       and "/" not in name and not name.startswith("hydra") and (
+                           line.startswith(f"- {overrides[i]}:") or f"({overrides[i]})" in line)), None)
+        if blamed is None:  # (a group's choice or Hydra's own: what follows it depends on it)
+            return None, [], problems, []
+        rest.remove(blamed)
 
 
 # (primary config, the overrides that may choose config groups) -> compat/hydra.py `composed_files` of them

@@ -748,6 +748,25 @@ def _main_in_process(argv: list[str], monkeypatch, tmp_path):
     return None
 
 
+def test_every_value_hydra_cannot_take_is_named_at_once():
+    """Hydra stops composing at the first value it cannot take. Before: `rollout.n_samples_per_prompt=abc
+    train.optimizer.lr=xyz trainer.lr=1 seed=foo` named only rollout.n_samples_per_prompt; fixed, the next run named
+    the next key. Now each bad value is set aside in turn and the rest composed again: all four, in command-line
+    order, each with its key, reason and fix. A group's bad choice still ends it (the rest depends on it)."""
+    bad = ["rollout.n_samples_per_prompt=abc", "train.optimizer.lr=xyz", "trainer.lr=1", "seed=foo"]
+    cfg, problems = compose_checked([*bad, "train.max_steps=3"])
+    assert cfg is None and [line.split(":")[0] for line in problems] == [
+        "- rollout.n_samples_per_prompt", "- train.optimizer.lr", "- trainer.lr", "- seed"], problems
+    assert [text in line and " Fix: " in line for text, line in zip(bad, problems)] == [True] * 4, problems
+    assert problems[1].startswith("- train.optimizer.lr: Value 'xyz' of type 'str' could not be converted to Float")
+    assert problems[2].startswith("- trainer.lr: not a key of the config (trainer.lr=1). Fix: did you mean "
+                                  "train.optimizer.lr")
+    cfg, problems = compose_checked(["dry_run=maybe", "seed=foo"])  # (one set aside is not checked again, as unset)
+    assert [line.split(":")[0] for line in problems] == ["- dry_run", "- seed"], problems
+    cfg, problems = compose_checked(["model=nope", "seed=foo"])
+    assert cfg is None and len(problems) == 1 and problems[0].startswith("- model=nope: no such option"), problems
+
+
 def test_a_dry_run_writes_nothing(monkeypatch, tmp_path, capsys):
     """Before: `molt-run dry_run=true` (and a multirun of dry runs) left Hydra's run directory behind: .hydra/ with
     three files and cli.log, for a run that never started."""
