@@ -187,6 +187,11 @@ def _not_a_key(key: str, how: str) -> str:
     close = sorted(set(same_name + difflib.get_close_matches(key, keys, n=3)),
                    key=lambda k: -difflib.SequenceMatcher(None, key, k).ratio())[:3]
     hint = f"did you mean {' or '.join(close)}? " if close else ""
+    # a config group's name misspelled (+recipes=x, clusters=slurm): was told of keys only, or of nothing
+    groups = ["recipe", *(d.name for d in CONF_DIR.iterdir() if d.is_dir() and d.name != "hydra")]
+    if "." not in key and (group := difflib.get_close_matches(key, groups, n=1)):
+        value = how.split("=", 1)[1] if "=" in how else "NAME"
+        hint = f"did you mean the config group {group[0]} ({'+' * (group[0] == 'recipe')}{group[0]}={value})? "
     return (f"- {key}: not a key of the config ({how}). Fix: {hint}`molt-run --cfg job` prints every key; "
             "agent.runner kwargs are added with +agent.runner.NAME=value")
 

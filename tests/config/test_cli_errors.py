@@ -1222,6 +1222,25 @@ def test_a_key_nested_as_molts_flag_is_named_by_its_last_name(override, named):
     assert cfg is None and len(problems) == 1 and named in problems[0], problems
 
 
+@pytest.mark.parametrize("override,named", [
+    ("clusters=slurm", "- clusters: not a key of the config (clusters=slurm). Fix: did you mean the config group "
+     "cluster (cluster=slurm)? "),
+    ("modle=qwen3_tiny", "- modle: not a key of the config (modle=qwen3_tiny). Fix: did you mean the config group "
+     "model (model=qwen3_tiny)? "),
+    ("recipes=tiny_cpu", "- recipes: not a key of the config (recipes=tiny_cpu). Fix: did you mean the config group "
+     "recipe (+recipe=tiny_cpu)? "),
+])
+def test_a_misspelled_config_group_is_named(override, named):
+    """Before: `clusters=slurm` got 'did you mean cluster.qos or cluster.nodes or cluster.setup' (keys that take no
+    preset's name), `recipes=tiny_cpu` and `+recipes=tiny_cpu` no suggestion at all."""
+    cfg, problems = compose_checked([override])
+    assert cfg is None and len(problems) == 1 and problems[0].startswith(named), problems
+    with pytest.raises(ConfigError) as info:
+        to_run_config(compose_config(["+recipes=tiny_cpu"]))
+    assert str(info.value).startswith("- recipes: not a key of the config (added with +). Fix: did you mean the config "
+                                      "group recipe (+recipe=NAME)? "), info.value
+
+
 @pytest.mark.parametrize("sweeps,points", [
     (["seed=range(0,100000000)"], 100000000),
     (["seed=range(0,40)", "train.max_steps=1,2,3", "rollout.top_k=range(1,10)"], 40 * 3 * 9),  # (1080)
