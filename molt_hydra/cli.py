@@ -1475,8 +1475,12 @@ def _command_line_problems(args) -> list[str]:
         if not first.dry_run:  # one line naming the key, before each point's directories fail on it (4 lines each)
             from molt_hydra.runtime.writable import fail_unless_writable
 
-            fail_unless_writable({"hydra.sweep.dir": Path(os.path.abspath(first.hydra.sweep.dir)), **log_dirs(first)},
-                                 dict.fromkeys(log_dirs(first), LOG_FIX))
+            # submitit makes its folder as it submits (%j: each job's id): one it cannot make was a traceback there
+            folder = OmegaConf.select(first, "hydra.launcher.submitit_folder", default="", throw_on_resolution_failure=
+                                      False)
+            known = {"hydra.launcher.submitit_folder": os.path.abspath(str(folder).split("%")[0])} if folder else {}
+            fail_unless_writable({"hydra.sweep.dir": Path(os.path.abspath(first.hydra.sweep.dir)), **log_dirs(first),
+                                  **known}, dict.fromkeys(log_dirs(first), LOG_FIX))
         problems, points = sweep_checked(first, overrides, args.config_dir)
         if points and not problems and all(result[0].dry_run for _, result in points):
             _dry_sweep(points)

@@ -1995,6 +1995,27 @@ def test_an_unwritable_sweep_directory_is_one_line_naming_it(monkeypatch, tmp_pa
         f"({afile}). Fix: point hydra.sweep.dir at a writable directory.\n")
 
 
+@pytest.mark.parametrize("launcher", ["hydra/launcher=submitit_local", "cluster=slurm"])
+def test_an_unwritable_submitit_folder_is_one_line_naming_it(launcher, monkeypatch, tmp_path, capsys):
+    """Before: `-m ... hydra.launcher.submitit_folder=FILE/%j` passed every check, Hydra made the sweep directory, and
+    submitit's mkdir of the folder as it submitted ended in a NotADirectoryError traceback (exit 1). %j (the job's id)
+    is submitit's: the folder is checked up to it."""
+    import shutil
+
+    import molt_hydra.compat.hydra as compat_hydra
+    from molt_hydra.runtime.watchdog import EXIT_FAILED
+
+    (afile := tmp_path / "afile").write_text("")
+    monkeypatch.setattr(shutil, "which", lambda name: f"/usr/bin/{name}")  # a Slurm login node: srun on PATH
+    monkeypatch.setattr(compat_hydra, "report_submitit_sweeps", lambda: pytest.fail("the sweep went on to submitit"))
+    argv = ["-m", launcher, "seed=1,2", f"hydra.launcher.submitit_folder={afile}/%j", f"hydra.sweep.dir={tmp_path}/s"]
+    assert _main_in_process(argv, monkeypatch, tmp_path) == EXIT_FAILED
+    assert capsys.readouterr().err == (
+        f"Run not started: output directory not writable.\n- hydra.launcher.submitit_folder={afile}: not writable: Not "
+        f"a directory ({afile}). Fix: point hydra.launcher.submitit_folder at a writable directory.\n")
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["afile"]
+
+
 @pytest.mark.parametrize("argv,flag", [(["--resolve"], "--resolve"), (["--package", "train", "dry_run=true"],
                                                                        "--package train")])
 def test_a_cfg_flag_without_cfg_is_refused(argv, flag, monkeypatch, tmp_path, capsys):
