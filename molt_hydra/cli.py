@@ -1076,6 +1076,11 @@ def _submitit_values(node: DictConfig, target: str) -> list[str]:
         problems.append(f"- hydra.launcher.array_parallelism: {at_once}, but it is how many of the sweep's points "
                         f"Slurm runs at once, and Slurm reads %{at_once} as no limit: every point would start at once. "
                         "Fix: set it to 1 or more (the preset's 256)")
+    problems += [f"- hydra.launcher.{key}: {value!r}, but a sweep point is one task on one node, which starts Ray and "
+                 "has the other nodes join it (runtime/slurm_ray.py), and submitit waits for a result from each of "
+                 "nodes x tasks_per_node tasks: the point would train, then be reported failed. Fix: leave it at 1; "
+                 "ask for nodes with cluster.nodes=N" for key in ("nodes", "tasks_per_node")
+                 if (value := node.get(key)) not in (None, 1) and type(value) is int]  # (another type: told above)
     return problems
 
 

@@ -997,6 +997,25 @@ def test_a_slurm_sweep_where_there_is_no_slurm_is_refused(monkeypatch):
     assert problems == [] and len(found) == 1 and found[0].startswith("- hydra/launcher: ") and "srun" in found[0]
 
 
+@pytest.mark.parametrize("key", ["tasks_per_node", "nodes"])
+def test_a_point_of_more_than_one_submitit_task_is_refused(key, monkeypatch):
+    """A point is one task (it starts Ray and has the other nodes join it); submitit waits for nodes x tasks_per_node
+    results. Before: `-m +recipe=tiny_cpu cluster=slurm cluster.cpus_per_node=1 hydra.launcher.tasks_per_node=2
+    train.max_steps=1` trained its step (Slurm job COMPLETED), then was reported failed with the end of its log and no
+    reason, exit 4 (seen on launchers/local_slurm.sh)."""
+    import shutil
+
+    monkeypatch.setattr(shutil, "which", lambda name: f"/usr/bin/{name}")  # a Slurm login node: srun on PATH
+    overrides = ["cluster=slurm", "seed=1,2", f"hydra.launcher.{key}=2"]
+    first, problems = compose_checked(overrides, multirun=True, hydra_config=True)
+    found = launcher_problems(first, overrides, True)
+    assert problems == [] and len(found) == 1 and found[0].startswith(
+        f"- hydra.launcher.{key}: 2, but a sweep point is one task on one node"), found
+    assert found[0].endswith("Fix: leave it at 1; ask for nodes with cluster.nodes=N")
+    ok = ["cluster=slurm", "seed=1,2", "cluster.nodes=2"]
+    assert launcher_problems(compose_checked(ok, multirun=True, hydra_config=True)[0], ok, True) == []
+
+
 def test_a_slurm_sweeps_points_are_each_checked_before_anything_is_submitted(tmp_path):
     """Before: submitit's points were checked only in their own jobs, so `-m cluster=slurm
     algorithm.estimator=grpo,nosuch` submitted both and the second failed in Slurm; two points given one
