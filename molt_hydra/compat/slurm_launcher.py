@@ -132,6 +132,10 @@ def _executor(launcher):
 
 
 def _refusal(launcher, sbatch_error: str) -> str:
+    if "Unable to contact slurm controller" in sbatch_error:  # (no request of the user's: told as one, the fix misled)
+        return (f"- hydra/launcher: sbatch could not reach Slurm's controller ({sbatch_error.splitlines()[-1]}), so "
+                "nothing was submitted. Fix: run molt-run -m where `scontrol ping` says UP (a login node of the "
+                "cluster), or again once slurmctld is back")
     cluster = launcher.config.cluster
     keys = [k for k in REQUEST_KEYS if cluster.get(k) is not None
             and (k != "devices_per_node" or launcher.params.get("gpus_per_node"))]  # GPUs: the _gpu preset only

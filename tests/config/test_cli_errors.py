@@ -986,6 +986,22 @@ def test_the_sbatch_launcher_passes_its_own_keys_only_where_the_user_leaves_them
 
 
 
+def test_a_slurm_controller_that_does_not_answer_is_not_told_as_a_refused_request():
+    """sbatch on a node whose slurmctld is down (or unreachable). Before: "Slurm refused the sweep's job (...Unable to
+    contact slurm controller...); asked for cluster.nodes=1, ... Fix: ask for what a partition has", a fix about a
+    request nothing was wrong with."""
+    from types import SimpleNamespace
+
+    from molt_hydra.compat.slurm_launcher import _refusal
+
+    first, _ = compose_checked(["cluster=slurm", "seed=1,2"], multirun=True, hydra_config=True)
+    error = ("sbatch: error: Batch job submission failed: Unable to contact slurm controller (connect failure)")
+    assert _refusal(SimpleNamespace(config=first, params={}), error) == (
+        "- hydra/launcher: sbatch could not reach Slurm's controller (sbatch: error: Batch job submission failed: "
+        "Unable to contact slurm controller (connect failure)), so nothing was submitted. Fix: run molt-run -m where "
+        "`scontrol ping` says UP (a login node of the cluster), or again once slurmctld is back")
+
+
 def test_a_slurm_sweep_where_there_is_no_slurm_is_refused(monkeypatch):
     """Before: `molt-run -m cluster=slurm ...` on a machine without Slurm ended in submitit's RuntimeError traceback
     (`Could not detect "srun"`) once Hydra started."""
