@@ -366,11 +366,11 @@ class Env(ABC):
         """`state` keys: observation_text, action_text, action_ids, label, sampling_params, turn, tokenizer."""
 
 
-def _check_built(seg: Trajectory, returned_by: str) -> None:
-    """What the driver reads of a segment a Runner's `execute` built itself: its reward and score as floats, its action
-    ranges within its tokens; else an error naming the field, failing this rollout alone. Before, the driver's
-    float() took a string reward silently, and a reward of None or a range past the tokens failed the whole run there,
-    named as the driver's."""
+def check_built(seg: Trajectory, returned_by: str) -> None:
+    """What the driver reads of a segment a Runner's own `execute` (or `run_group`) built: its reward and score as
+    floats, its action ranges within its tokens; else an error naming the field, failing that rollout. Before, the
+    driver's float() took a string reward silently, and a reward of None or a range past the tokens failed the whole
+    run there, named as the driver's."""
     seg.reward = scalar(seg.reward, f"Trajectory.reward of {returned_by}")
     if seg.score is not None:
         seg.score = scalar(seg.score, f"Trajectory.score of {returned_by}")
@@ -423,7 +423,7 @@ class Runner(ABC):
                     sorted({type(s).__name__ for s in segments if not isinstance(s, Trajectory)}))
                 raise TypeError(f"{type(self).__name__}.execute must return a list of Trajectory, got {got}")
             for seg in segments:
-                _check_built(seg, f"{type(self).__name__}.execute")
+                check_built(seg, f"{type(self).__name__}.execute")
         except (Exception, SystemExit, KeyboardInterrupt, asyncio.CancelledError) as e:  # the agent is user code: any
             # error ends this rollout only; a sys.exit() escaping would end the runner's agent loop, and every later
             # rollout would time out. A CancelledError the agent raised itself (nobody cancelled this task) would end

@@ -1027,3 +1027,43 @@ def test_a_relative_agent_file_reaches_the_runners_as_an_absolute_path(tmp_path,
     # under home, as validation imports it (before: '<cwd>/~/agents/a.py:X', a file the runners could not find)
     monkeypatch.setenv("HOME", str(tmp_path / "home"))
     assert absolute_target("~/agents/a.py:X") == f"{tmp_path}/home/agents/a.py:X"
+
+
+@pytest.mark.parametrize("body, said", [
+    ("        return out.trajectories\n",
+     ["TypeError: AgentRunner.run_group must return a RolloutOutcome, got list"] * 2),
+    ("        out.trajectories[0].reward = None\n        return out\n",
+     ["ValueError: Trajectory.reward of AgentRunner.run_group is None; return a number", None]),
+    ("        out.trajectories[1].action_ranges = [(0, 3)]\n        return out\n",
+     [None, "ValueError: Trajectory.action_ranges of AgentRunner.run_group holds (0, 3): each must be a [start, "
+            "end) span of its 4 tokens"]),
+    ("        out.trajectories[0].rollout_id = None\n        return out\n",
+     ["ValueError: AgentRunner.run_group returned a Trajectory with rollout_id=None, group_id=", None]),
+    ("        out.trajectories[1] = {'token_ids': [1]}\n        return out\n",
+     [None, "TypeError: AgentRunner.run_group returned a dict among its trajectories"]),
+], ids=["a list", "reward None", "action range", "no rollout id", "a dict"])
+def test_the_runner_process_checks_what_a_runners_own_run_group_returns(tiny_model, tmp_path, body, said):
+    """A Runner's own run_group returns a RolloutOutcome of its episodes' segments, each as Runner.run_group checks
+    an execute's. Before: a list failed as "AttributeError: 'list' object has no attribute 'errors'"; a segment with
+    a reward of None, an action range from token 0 or no rollout id failed the whole run in the driver, as the
+    driver's ('Run failed: driver: TypeError: float() argument must be ...')."""
+    from molt_hydra.runtime.agent_runner import AgentRunnerActor
+
+    (tmp_path / "custom.py").write_text(
+        "from molt_hydra.agents.base import Runner, Trajectory\n"
+        "class AgentRunner(Runner):\n"
+        "    async def execute(self, episode, generator, tokenizer):\n"
+        "        return [Trajectory(token_ids=[5, 6, 7, 8], logprobs=[0, 0, -.5, -.5], versions=[-1, -1, 0, 0],\n"
+        "                           action_ranges=[(2, 4)], reward=1.0)]\n"
+        "    async def run_group(self, episodes, generator, tokenizer, timeout_s=None):\n"
+        "        out = await super().run_group(episodes, generator, tokenizer, timeout_s)\n" + body)
+    kw = dict(tokenizer_path=tiny_model, max_len=64, timeout_s=5, engine_timeout_s=5, seed=0, max_turns=2)
+    actor = AgentRunnerActor({"_target_": str(tmp_path / "custom.py")}, [object()], **kw)
+    try:
+        results = asyncio.run(actor.run_group({"prompt": "p"}, 2, Sampling(max_tokens=4)))
+    finally:
+        actor.agent_loop.call_soon_threadsafe(actor.agent_loop.stop)
+    bad = [s for s in said if s is not None]
+    assert sorted(r for t, r in results if t is None) == ["agent_exception"] * len(bad), results
+    assert [t.reward for t, r in results if t is not None] == [1.0] * (2 - len(bad))
+    assert actor.example_errors()["agent_exception"].startswith(bad[0]), actor.example_errors()
