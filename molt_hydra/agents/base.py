@@ -366,6 +366,22 @@ class Env(ABC):
         """`state` keys: observation_text, action_text, action_ids, label, sampling_params, turn, tokenizer."""
 
 
+def check_built(seg: Trajectory, returned_by: str) -> None:
+    """What the driver reads of a segment a Runner's own `execute` (or `run_group`) built: its reward and score as
+    floats, its action ranges within its tokens; else an error naming the field, failing that rollout. Before, the
+    driver's float() took a string reward silently, and a reward of None or a range past the tokens failed the whole
+    run there, named as the driver's."""
+    seg.reward = scalar(seg.reward, f"Trajectory.reward of {returned_by}")
+    if seg.score is not None:
+        seg.score = scalar(seg.score, f"Trajectory.score of {returned_by}")
+    n = len(seg.token_ids)
+    for span in seg.action_ranges:
+        if not _safe(lambda v: len(v) == 2 and _int(v[0]) and _int(v[1]) and 0 < v[0] <= v[1] <= n, span):
+            raise ValueError(f"Trajectory.action_ranges of {returned_by} holds {span!r}: each must be a [start, end) "
+                             f"span of its {n} tokens, 0 < start <= end <= {n} (token 0 has no context to be "
+                             "generated from)")
+
+
 @dataclass
 class RolloutOutcome:
     """A group's trajectories (every segment stamped with group_id and its rollout_id) and failures by reason."""
@@ -406,6 +422,8 @@ class Runner(ABC):
                 got = type(segments).__name__ if not isinstance(segments, list) else "a list holding " + ", ".join(
                     sorted({type(s).__name__ for s in segments if not isinstance(s, Trajectory)}))
                 raise TypeError(f"{type(self).__name__}.execute must return a list of Trajectory, got {got}")
+            for seg in segments:
+                check_built(seg, f"{type(self).__name__}.execute")
         except (Exception, SystemExit, KeyboardInterrupt, asyncio.CancelledError) as e:  # the agent is user code: any
             # error ends this rollout only; a sys.exit() escaping would end the runner's agent loop, and every later
             # rollout would time out. A CancelledError the agent raised itself (nobody cancelled this task) would end

@@ -138,10 +138,42 @@ class AgentRunnerActor(BatchedCallee):
             self.errors.setdefault(AGENT_EXCEPTION, f"{type(self.runner).__name__}.run_group raised "
                                                     f"{type(e).__name__}: {e}")
             return [(None, AGENT_EXCEPTION)] * n_samples
+        return self._results(outcome, episodes)
+
+    def _results(self, outcome, episodes: list) -> list[tuple[object, str | None]]:
+        """The group's (trajectory, None) and (None, failure reason) pairs. A Runner's own run_group is user code: what
+        it returns is checked as Runner.run_group checks each rollout's (agents/base.py check_built), else its group,
+        or the segment, fails as agent_exception naming it. Before, a list for a RolloutOutcome failed as "'list'
+        object has no attribute 'errors'", and a segment without its episode's rollout id, or with a reward of None,
+        failed the whole run in the driver, as the driver's."""
+        from molt_hydra.agents.base import AGENT_EXCEPTION, RolloutOutcome, Runner, Trajectory, check_built
+
+        name = f"{type(self.runner).__name__}.run_group"
+        if not isinstance(outcome, RolloutOutcome):
+            self.errors.setdefault(AGENT_EXCEPTION, f"TypeError: {name} must return a RolloutOutcome, got "
+                                                    f"{type(outcome).__name__}")
+            return [(None, AGENT_EXCEPTION)] * len(episodes)
         for reason, error in outcome.errors.items():
             self.errors.setdefault(reason, error)
-        failed = [(None, reason) for reason, count in outcome.failures.items() for _ in range(count)]
-        return failed + [(t, None) for t in outcome.trajectories]
+        results = [(None, reason) for reason, count in outcome.failures.items() for _ in range(count)]
+        if type(self.runner).run_group is Runner.run_group:
+            return results + [(t, None) for t in outcome.trajectories]
+        ids = {ep.rollout_id: ep.group_id for ep in episodes}
+        for t in outcome.trajectories:
+            try:
+                if not isinstance(t, Trajectory):
+                    raise TypeError(f"{name} returned a {type(t).__name__} among its trajectories")
+                if ids.get(t.rollout_id, object()) != t.group_id:
+                    raise ValueError(f"{name} returned a Trajectory with rollout_id={t.rollout_id!r}, "
+                                     f"group_id={t.group_id!r}: each must carry its Episode's (Runner.run_group "
+                                     "stamps them)")
+                check_built(t, name)
+            except (TypeError, ValueError) as e:
+                self.errors.setdefault(AGENT_EXCEPTION, f"{type(e).__name__}: {e}")
+                results.append((None, AGENT_EXCEPTION))
+            else:
+                results.append((t, None))
+        return results
 
     def router_metrics(self) -> dict[str, float]:
         from molt_hydra.agents.tool_parser import parse_failures

@@ -318,6 +318,15 @@ class RLController:
                             f"(train.max_untrainable_steps={self.cfg.train.max_untrainable_steps})",
                             drops=dict(self.untrainable))
 
+    def _check_trained(self) -> None:
+        """At the loop's end: a run none of whose steps had a trainable sample fails with their drops, also where it
+        ended (train.max_steps, the data) before train.max_untrainable_steps could tell it. Before, it 'finished' with
+        exit 0 and saved the untrained model. (The count goes on across a resume, as the loop's state.)"""
+        if self.step and self.untrainable_steps == self.step:
+            raise RunFailed("trainer", f"no step of the run had a trainable sample (it ended after {self.step}, before "
+                            f"train.max_untrainable_steps={self.cfg.train.max_untrainable_steps} steps in a row could "
+                            "tell it)", drops=dict(self.untrainable))
+
     async def sync_weights(self) -> dict[str, float]:
         """Version k -> k+1 on every engine, after batch k + D exists (unless partial rollout)."""
         t0 = time.perf_counter()
@@ -517,4 +526,6 @@ class RLController:
                 self.stopped_for_notice = True
                 break
         self.log.flush()  # the last step, whatever logger.every_steps
+        if not self.stopped_for_notice:  # (a resume after the notice goes on counting)
+            self._check_trained()
         return last

@@ -858,6 +858,12 @@ def _summary(cfg: RunConfig, roles, ctl, export) -> list[str]:
     rows = [json.loads(line) for line in open(Path(cfg.output_dir) / "metrics.jsonl")]
     rewards = [r["train/reward"] for r in rows if r.get("kind") == "train" and "train/reward" in r]
     lines = [f"steps: {ctl.step}   policy version: {ctl.version}"]
+    t = cfg.train
+    if t.max_steps is not None and ctl.step < t.max_steps:  # the loop ended on the data (was: not a word of it)
+        passes = f"{t.num_episodes} pass{'es' if t.num_episodes > 1 else ''}"
+        why = (f"the batches of train.rollout_replay_dir={t.rollout_replay_dir} ran out" if t.rollout_replay_dir
+               else f"the prompts ran out: train.num_episodes={passes} over them; raise it to train longer")
+        lines[0] = f"steps: {ctl.step} of train.max_steps={t.max_steps}   policy version: {ctl.version}   ({why})"
     if len(rewards) >= 2:
         k = min(5, len(rewards) // 2)
         first, last = sum(rewards[:k]) / k, sum(rewards[-k:]) / k

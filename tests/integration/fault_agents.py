@@ -199,3 +199,17 @@ class PausingEnv(ToyEnv):
         except FileExistsError:
             pass
         return state
+
+
+class MisalignedRunner(StepEnvRunner):
+    """A Runner whose own `execute` drops each segment's last log-prob (as a runner ported by hand may): every sample
+    is then dropped as logprob_misalign, none trained."""
+
+    def __init__(self):
+        super().__init__(ToyEnv)
+
+    async def execute(self, episode, generator, tokenizer):  # noqa: D102
+        segments = await super().execute(episode, generator, tokenizer)
+        for seg in segments:
+            seg.logprobs = seg.logprobs[:-1]
+        return segments

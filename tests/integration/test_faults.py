@@ -398,6 +398,23 @@ def test_a_reward_that_is_no_number_fails_the_run_naming_the_agent_and_the_value
     assert "Traceback" not in run.err()
 
 
+@pytest.mark.slow  # ~30 s: tests/unit/test_controller_progress.py (the loop's end check) in make test
+def test_a_run_that_trains_nothing_before_its_last_step_fails_with_the_drops(tmp_path):
+    """train.max_steps=2, below train.max_untrainable_steps=3, every sample dropped (logprob_misalign). Before: 'steps:
+    2   policy version: 0', exit 0, the untrained model saved as its step-2 checkpoint."""
+    out = tmp_path / "run"
+    run = Run(out, f"agent.runner._target_={AGENTS}:MisalignedRunner", "train.max_steps=2")
+    code = run.finish()
+    lines = [line for line in run.err().splitlines() if line.strip()]
+    assert code == EXIT_FAILED, run.err()[-3000:]
+    # every step's 4 x 4 samples
+    assert lines[-5:-3] == ["Run failed: trainer: no step of the run had a trainable sample (it ended after 2, before "
+                            "train.max_untrainable_steps=3 steps in a row could tell it).",
+                            "  dropped samples by reason: logprob_misalign 32"], lines[-5:]
+    assert lines[-2] == "Last checkpoint: none (the run starts from step 0 again)", lines[-5:]
+    assert not (out / "checkpoints" / "step_2").exists() and "Traceback" not in run.err()
+
+
 def test_an_empty_prompt_file_is_refused_naming_the_key_and_the_file(tmp_path):
     """Before: 'Run failed: driver: RuntimeError: coroutine raised StopIteration.', then two asyncio tracebacks of
     the engines' and runners' starts left behind ('_GatheringFuture exception was never retrieved'). Then the run

@@ -471,6 +471,54 @@ def test_a_runner_returning_no_list_of_trajectories_fails_its_rollout_naming_exe
     assert outcome.errors["agent_exception"] == f"TypeError: Custom.execute must return a list of Trajectory, {got}"
 
 
+def _built(**fields) -> Trajectory:
+    """A one-action segment of 4 tokens (the last 2 generated) as a Runner's own `execute` may build it."""
+    return Trajectory(**{"token_ids": [5, 6, 7, 8], "logprobs": [0.0, 0.0, -0.5, -0.5], "versions": [-1, -1, 0, 0],
+                         "action_ranges": [(2, 4)], "reward": 1.0, **fields})
+
+
+@pytest.mark.parametrize("fields, said", [
+    ({"reward": None}, "ValueError: Trajectory.reward of Custom.execute is None; return a number"),
+    ({"reward": "0.5"}, "TypeError: Trajectory.reward of Custom.execute is str '0.5'; return a number"),
+    ({"score": "high"}, "TypeError: Trajectory.score of Custom.execute is str 'high'; return a number"),
+    ({"action_ranges": [(2, 9)]}, "ValueError: Trajectory.action_ranges of Custom.execute holds (2, 9): each must "
+                                  "be a [start, end) span of its 4 tokens, 0 < start <= end <= 4"),
+    ({"action_ranges": [(0, 2)]}, "ValueError: Trajectory.action_ranges of Custom.execute holds (0, 2): each must "
+                                  "be a [start, end) span of its 4 tokens, 0 < start <= end <= 4"),
+    ({"action_ranges": [(3, 2)]}, "ValueError: Trajectory.action_ranges of Custom.execute holds (3, 2): each must "
+                                  "be a [start, end) span of its 4 tokens, 0 < start <= end <= 4"),
+], ids=str)
+def test_a_trajectory_a_runner_built_wrong_fails_its_rollout_naming_the_field(fields, said):
+    """A Runner's own `execute` builds its Trajectory itself. Before: a reward of None, or an action range beyond its
+    tokens, failed the whole run in the driver, as the driver's ('Run failed: driver: TypeError: float() argument
+    must be a string or a real number, not 'NoneType'', '... driver: ValueError: invalid action range (16, 29) for
+    24 tokens'), and a string reward '0.5' was float()-ed there and trained on without a word."""
+
+    class Custom(Runner):
+        async def execute(self, episode, generator, tokenizer):
+            return [_built(**fields)]
+
+    ep = Episode(prompt="p", sampling=Sampling(max_tokens=1), max_length=8)
+    outcome = asyncio.run(Custom().run_group([ep], None, None))
+    assert dict(outcome.failures) == {"agent_exception": 1} and outcome.trajectories == []
+    assert outcome.errors["agent_exception"].startswith(said), outcome.errors
+
+
+@pytest.mark.parametrize("reward, score", [(np.float32(0.5), None), (torch.tensor([0.5]), 1), (True, np.int64(1))],
+                         ids=str)
+def test_a_trajectory_a_runner_built_with_numbers_of_any_kind_keeps_them_as_floats(reward, score):
+    """Any number `Result.reward` takes is taken on a Trajectory too, sent on as a float."""
+
+    class Custom(Runner):
+        async def execute(self, episode, generator, tokenizer):
+            return [_built(reward=reward, score=score)]
+
+    ep = Episode(prompt="p", sampling=Sampling(max_tokens=1), max_length=8)
+    (seg,) = asyncio.run(Custom().run_group([ep], None, None)).trajectories
+    assert type(seg.reward) is float and seg.reward == float(np.asarray(reward).flatten()[0])
+    assert seg.score is None if score is None else (type(seg.score) is float and seg.score == 1.0)
+
+
 def test_an_agent_calling_sys_exit_fails_its_rollout_only():
     """Before: SystemExit passed `except Exception`, left the group's gather and ended the runner's agent loop (its
     thread's run_forever re-raises it): that group and every later one failed as agent_timeout after agent.timeout_s,
@@ -979,3 +1027,43 @@ def test_a_relative_agent_file_reaches_the_runners_as_an_absolute_path(tmp_path,
     # under home, as validation imports it (before: '<cwd>/~/agents/a.py:X', a file the runners could not find)
     monkeypatch.setenv("HOME", str(tmp_path / "home"))
     assert absolute_target("~/agents/a.py:X") == f"{tmp_path}/home/agents/a.py:X"
+
+
+@pytest.mark.parametrize("body, said", [
+    ("        return out.trajectories\n",
+     ["TypeError: AgentRunner.run_group must return a RolloutOutcome, got list"] * 2),
+    ("        out.trajectories[0].reward = None\n        return out\n",
+     ["ValueError: Trajectory.reward of AgentRunner.run_group is None; return a number", None]),
+    ("        out.trajectories[1].action_ranges = [(0, 3)]\n        return out\n",
+     [None, "ValueError: Trajectory.action_ranges of AgentRunner.run_group holds (0, 3): each must be a [start, "
+            "end) span of its 4 tokens"]),
+    ("        out.trajectories[0].rollout_id = None\n        return out\n",
+     ["ValueError: AgentRunner.run_group returned a Trajectory with rollout_id=None, group_id=", None]),
+    ("        out.trajectories[1] = {'token_ids': [1]}\n        return out\n",
+     [None, "TypeError: AgentRunner.run_group returned a dict among its trajectories"]),
+], ids=["a list", "reward None", "action range", "no rollout id", "a dict"])
+def test_the_runner_process_checks_what_a_runners_own_run_group_returns(tiny_model, tmp_path, body, said):
+    """A Runner's own run_group returns a RolloutOutcome of its episodes' segments, each as Runner.run_group checks
+    an execute's. Before: a list failed as "AttributeError: 'list' object has no attribute 'errors'"; a segment with
+    a reward of None, an action range from token 0 or no rollout id failed the whole run in the driver, as the
+    driver's ('Run failed: driver: TypeError: float() argument must be ...')."""
+    from molt_hydra.runtime.agent_runner import AgentRunnerActor
+
+    (tmp_path / "custom.py").write_text(
+        "from molt_hydra.agents.base import Runner, Trajectory\n"
+        "class AgentRunner(Runner):\n"
+        "    async def execute(self, episode, generator, tokenizer):\n"
+        "        return [Trajectory(token_ids=[5, 6, 7, 8], logprobs=[0, 0, -.5, -.5], versions=[-1, -1, 0, 0],\n"
+        "                           action_ranges=[(2, 4)], reward=1.0)]\n"
+        "    async def run_group(self, episodes, generator, tokenizer, timeout_s=None):\n"
+        "        out = await super().run_group(episodes, generator, tokenizer, timeout_s)\n" + body)
+    kw = dict(tokenizer_path=tiny_model, max_len=64, timeout_s=5, engine_timeout_s=5, seed=0, max_turns=2)
+    actor = AgentRunnerActor({"_target_": str(tmp_path / "custom.py")}, [object()], **kw)
+    try:
+        results = asyncio.run(actor.run_group({"prompt": "p"}, 2, Sampling(max_tokens=4)))
+    finally:
+        actor.agent_loop.call_soon_threadsafe(actor.agent_loop.stop)
+    bad = [s for s in said if s is not None]
+    assert sorted(r for t, r in results if t is None) == ["agent_exception"] * len(bad), results
+    assert [t.reward for t, r in results if t is not None] == [1.0] * (2 - len(bad))
+    assert actor.example_errors()["agent_exception"].startswith(bad[0]), actor.example_errors()

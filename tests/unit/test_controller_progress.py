@@ -65,3 +65,26 @@ def test_the_count_of_untrainable_steps_survives_a_resume():
     with pytest.raises(RunFailed) as err:
         resumed._check_progress(False, dropped(stale=4))
     assert "3 steps in a row" in err.value.cause and err.value.drops == {"stale": 5 + 2 + 4}
+
+
+def test_a_run_that_ends_before_the_limit_having_trained_nothing_fails_with_its_drops():
+    """train.max_steps (or the data) below train.max_untrainable_steps, every sample of every step dropped. Before: the
+    run 'finished', exit 0, 'steps: 2   policy version: 0', its checkpoint the untrained model."""
+    ctl = controller(3)
+    for n in (16, 16):
+        ctl._check_progress(False, dropped(logprob_misalign=n))
+        ctl.step += 1
+    with pytest.raises(RunFailed) as err:
+        ctl._check_trained()
+    assert err.value.role == "trainer" and err.value.drops == {"logprob_misalign": 32}
+    assert err.value.cause == ("no step of the run had a trainable sample (it ended after 2, before "
+                               "train.max_untrainable_steps=3 steps in a row could tell it)")
+
+
+def test_a_run_whose_last_steps_alone_were_untrainable_ends_as_it_is():
+    ctl = controller(3)
+    ctl._check_progress(True, dropped())
+    for _ in range(2):
+        ctl._check_progress(False, dropped(stale=1))
+    ctl.step = 3
+    ctl._check_trained()  # (steps 2 and 3 dropped everything: below the limit, the run trained at step 1)
