@@ -16,6 +16,7 @@ import inspect
 import logging
 import math
 import numbers
+import operator
 import random
 import uuid
 from abc import ABC, abstractmethod
@@ -249,7 +250,7 @@ def text_prompt_ids(tokenizer, text: str) -> list[int]:
     A chat template's render writes its own BOS, and an observation continues a sequence: both go without."""
     ids = tokenizer(text, add_special_tokens=False)["input_ids"]
     bos = tokenizer.bos_token_id
-    if ids and bos is not None and ids[0] != bos and tokenizer(text)["input_ids"][:1] == [bos]:
+    if ids and bos is not None and ids[0] != bos and tokenizer("x")["input_ids"][:1] == [bos]:  # (its post-processor)
         return [bos, *ids]
     return ids
 
@@ -374,12 +375,19 @@ def check_built(seg: Trajectory, returned_by: str) -> None:
     seg.reward = scalar(seg.reward, f"Trajectory.reward of {returned_by}")
     if seg.score is not None:
         seg.score = scalar(seg.score, f"Trajectory.score of {returned_by}")
-    n = len(seg.token_ids)
+    n, spans = len(seg.token_ids), []
     for span in seg.action_ranges:
-        if not _safe(lambda v: len(v) == 2 and _int(v[0]) and _int(v[1]) and 0 < v[0] <= v[1] <= n, span):
+        try:  # ints of any kind (a numpy int, a 0-d tensor: what __index__ takes), not bools
+            start, end = (operator.index(x) for x in span)
+            ok = 0 < start <= end <= n and not any(isinstance(x, bool) for x in span)
+        except (TypeError, ValueError):
+            ok = False
+        if not ok:
             raise ValueError(f"Trajectory.action_ranges of {returned_by} holds {span!r}: each must be a [start, end) "
                              f"span of its {n} tokens, 0 < start <= end <= {n} (token 0 has no context to be "
                              "generated from)")
+        spans.append((start, end))
+    seg.action_ranges = spans
 
 
 @dataclass

@@ -138,7 +138,8 @@ class StepEnvRunner(Runner):
             if episode.images:  # cutting could split an image's placeholder tokens
                 raise ValueError(f"prompt with images has {len(ids)} tokens > {max_initial} allowed by max_length")
             log.warning("rollout %s: prompt left-truncated %d -> %d tokens", episode.rollout_id, len(ids), max_initial)
-            ids = ids[-max_initial:]
+            bos = [ids[0]] if ids[0] == tokenizer.bos_token_id and max_initial > 1 else []  # kept: its model's first
+            ids = bos + ids[len(ids) - max_initial + len(bos):]  # token (text_prompt_ids), cut or not
             prompt = tokenizer.decode(ids, skip_special_tokens=False)
         traj = Trajectory(prompt=episode.prompt, label=episode.label, images=list(episode.images))
         traj.append_feedback(ids)

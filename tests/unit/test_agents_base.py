@@ -1067,3 +1067,18 @@ def test_the_runner_process_checks_what_a_runners_own_run_group_returns(tiny_mod
     assert sorted(r for t, r in results if t is None) == ["agent_exception"] * len(bad), results
     assert [t.reward for t, r in results if t is not None] == [1.0] * (2 - len(bad))
     assert actor.example_errors()["agent_exception"].startswith(bad[0]), actor.example_errors()
+
+
+def test_action_ranges_of_any_int_kind_are_taken_as_ints():
+    """A hand-written Runner may compute its spans with numpy or torch: ints of any kind (what __index__ takes) are
+    taken, as plain ints; a bool or a float is not an index."""
+    import torch
+
+    from molt_hydra.agents.base import Trajectory, check_built
+
+    seg = Trajectory(token_ids=[1, 2, 3, 4], reward=1.0, action_ranges=[(np.int64(1), torch.tensor(3))])
+    check_built(seg, "R.execute")
+    assert seg.action_ranges == [(1, 3)] and all(type(x) is int for x in seg.action_ranges[0])
+    for bad in [(True, 3), (1.0, 3)]:
+        with pytest.raises(ValueError, match=r"Trajectory.action_ranges of R.execute holds"):
+            check_built(Trajectory(token_ids=[1, 2, 3, 4], reward=1.0, action_ranges=[bad]), "R.execute")

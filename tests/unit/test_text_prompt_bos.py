@@ -127,3 +127,16 @@ def test_an_env_text_prompt_gets_the_bos_once_and_feedback_none(tok, prompt):
     assert engine.prompts[0] == first and first.count(bos) == 1
     assert engine.prompts[1] == first + engine.reply + ids(tok, " world")
     assert traj.token_ids == engine.prompts[1] + engine.reply
+
+
+def test_a_text_prompt_cut_to_its_room_keeps_its_bos(tok):
+    """A prompt over the room max_length leaves beside max_tokens is cut from the left (Molt's): its BOS, the model's
+    first token, stays in front of the last tokens that fit (was: cut away with the rest)."""
+    bos, engine = tok.bos_token_id, Recording(tok)
+    text = "hello world, the answer is yes " * 4
+    body = ids(tok, text)
+    room = 10  # max_length - max_tokens
+    ep = Episode(prompt=text, sampling=Sampling(max_tokens=4), max_length=room + 4)
+    asyncio.run(StepEnvRunner(TwoTurns).run_group([ep], engine, tok))
+    assert len(body) + 1 > room
+    assert engine.prompts[0] == [bos, *body[-(room - 1):]]
