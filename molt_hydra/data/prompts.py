@@ -389,12 +389,13 @@ def load_prompts(spec: str, *, split: str = "train", config_name: str | None = N
         if not rows:
             raise ValueError(f"{s} has no rows")
         rows = usable_template_rows(rows, s, template_fits) if template_fits is not None else rows
-        if prompt_tokens is not None:
-            count_long_prompts(rows, s, prompt_tokens, *lengths)
         rows = usable_image_rows(rows, s, image_key or "images", max_images_per_prompt, blank_images,
                                  fits=image_fits)
         parts.append(rows)
-    return combined(parts, max_samples, probs, seed)
+    out = combined(parts, max_samples, probs, seed)
+    if prompt_tokens is not None:  # (the rows the run reads: a hub dataset's millions under data.max_samples, not)
+        count_long_prompts(out, spec, prompt_tokens, *lengths, image_fits)
+    return out
 
 
 def combined(parts: list, max_samples: int | None, probs: list[float] | None, seed: int) -> list:
@@ -514,24 +515,25 @@ def usable_template_rows(rows: list[dict], spec: str, fits) -> list[dict]:
     return [row for i, row in enumerate(rows) if i not in gone] if gone else rows
 
 
-def count_long_prompts(rows: list[dict], spec: str, tokens, max_len: int, max_new_tokens: int) -> None:
-    """Log the rows whose prompt, `tokens(prompt, tools, room)` as the agent runners render it (at most `room` where
-    it fits), is over the `room` data.max_len leaves beside max_new_tokens, counted, with their row ids. Kept: an Env's
-    reset may shorten it. Was: found at each rollout of each row, a log line a rollout (the step runner's left cut),
-    never counted. A refusal of the chat template that its text alone decides is left to the rollout."""
-    room, long = max_len - max_new_tokens, {}
-    for i, row in enumerate(rows):
-        try:
-            if (n := tokens(row["prompt"], row.get("tools"), room)) > room:
-                long[i] = n
-        except (TemplateError, TypeError, ValueError):  # (ValueError: messages and no chat template: the runners')
-            continue
+def count_long_prompts(rows: list[dict], spec: str, lengths_of, max_len: int, max_new_tokens: int,
+                       image_fits=None) -> None:
+    """Log the rows whose first prompt, `lengths_of([(prompt, tools, room), ...])` tokens as the agent runners render
+    it (at most `room` where it fits; None where its chat template refuses it: the rollout's error), is over the room
+    data.max_len leaves beside max_new_tokens and its images (`image_fits` tokens each), counted, with their row ids.
+    Kept: an Env's reset may shorten it. Was: found at each rollout of each row, a log line a rollout (the step
+    runner's left cut), never counted."""
+    room = max_len - max_new_tokens
+    rooms = [room - sum(map(image_fits, row.get("images") or ())) if image_fits else room for row in rows]
+    counts = lengths_of([(row["prompt"], row.get("tools"), r) for row, r in zip(rows, rooms)])
+    long = {i: n for i, (n, r) in enumerate(zip(counts, rooms)) if n is not None and n > r}
     if long:
+        images = " and their images" if any(r < room for r in rooms) else ""
         log.warning("data: %d of %d rows of %s have prompts over the %d tokens data.max_len=%d leaves them beside "
-                    "max_new_tokens=%d (the longest %d tokens; row ids %s): an Env's rollout left-truncates each (one "
-                    "with images fails), a chat agent's first turn generates fewer tokens, none over data.max_len. "
-                    "Fix: raise data.max_len, lower the max_new_tokens, or filter those rows out", len(long),
-                    len(rows), spec, room, max_len, max_new_tokens, max(long.values()), list(long)[:20])
+                    "max_new_tokens=%d%s (the longest %d tokens; row ids %s): an Env's rollout left-truncates each "
+                    "(one with images fails), a chat agent's first turn generates fewer tokens, none over "
+                    "data.max_len. Fix: raise data.max_len, lower the max_new_tokens, or filter those rows out",
+                    len(long), len(rows), spec, room, max_len, max_new_tokens, images, max(long.values()),
+                    list(long)[:20])
 
 
 def _shape(row: dict) -> tuple:

@@ -9,6 +9,7 @@ that builds roles imports (its driver has loaded torch with the plan already).""
 from __future__ import annotations
 
 import asyncio
+import functools
 import importlib
 import math
 import os
@@ -271,6 +272,35 @@ def _start_runners(cfg: RunConfig, engines: list, tokenizer_path: str) -> list:
         for _ in range(cfg.rollout.num_runners)]
 
 
+def first_prompt_lengths(tokenizer, templated: bool, items: list[tuple]) -> list[int | None]:
+    """Of each (prompt, tools, room): its first prompt's tokens as the step runner sends it (a text one with the BOS
+    its tokenizer adds, text_prompt_ids; else the chat template's render), or at most `room` where it fits for sure;
+    None where the template refuses it (the rollout's error). A token holds a byte at least (byte-level BPE, byte
+    fallback), bar a leading word marker and a BOS: most prompts fit uncounted, the rest are tokenized in one call."""
+    from jinja2 import TemplateError
+
+    from molt_hydra.agents.base import text_prompt_ids
+
+    texts, raw = [], []
+    for prompt, tools, _ in items:
+        raw.append(isinstance(prompt, str) and not templated)
+        try:
+            texts.append(prompt if raw[-1] else tokenizer.apply_chat_template(
+                [{"role": "user", "content": prompt}] if isinstance(prompt, str) else prompt, tools=tools,
+                tokenize=False, add_generation_prompt=True))
+        except (TemplateError, TypeError, ValueError):  # (ValueError: messages and no chat template)
+            texts.append(None)
+    sizes = [None if t is None else len(t.encode()) + 2 for t in texts]
+    over = [i for i, (n, (_, _, room)) in enumerate(zip(sizes, items)) if n is not None and n > room]
+    rendered = [i for i in over if not raw[i]]  # (a chat template's render writes its own BOS)
+    for i, ids in zip(rendered, tokenizer([texts[i] for i in rendered], add_special_tokens=False)["input_ids"]
+                      if rendered else []):
+        sizes[i] = len(ids)
+    for i in set(over) - set(rendered):
+        sizes[i] = len(text_prompt_ids(tokenizer, texts[i]))
+    return sizes
+
+
 def _load_rows(cfg: RunConfig, scoring: bool, tokenizer=None) -> tuple[list, list | None]:
     """(training prompts, eval rows or None); an eval job scores its eval rows (it has no training data). Training rows
     fewer than rollout.batch_size end the run, as validation's count of local data does (agents/rules.py
@@ -294,20 +324,12 @@ def _load_rows(cfg: RunConfig, scoring: bool, tokenizer=None) -> tuple[list, lis
         messages = [{"role": "user", "content": prompt}] if isinstance(prompt, str) else prompt
         tokenizer.apply_chat_template(messages, tools=tools, tokenize=False, add_generation_prompt=True)
 
-    def prompt_tokens(prompt, tools, room: int) -> int:  # the first prompt's tokens, as the step runner counts them
-        text = prompt if isinstance(prompt, str) and not d.apply_chat_template else tokenizer.apply_chat_template(
-            [{"role": "user", "content": prompt}] if isinstance(prompt, str) else prompt, tools=tools, tokenize=False,
-            add_generation_prompt=True)
-        # a token holds a byte at least (byte-level BPE, byte fallback), bar one leading word marker: most prompts fit
-        # uncounted (100k short rows: 2.8 s rendered so, ~20 s tokenized as well; the tiny model, 2 cores)
-        size = len(text.encode())
-        return size + 1 if size < room else len(tokenizer(text, add_special_tokens=False)["input_ids"])
-
     rows = dict(input_key=d.input_key, label_key=d.label_key, tools_key=d.tools_key, image_key=d.image_key,
                 max_images_per_prompt=d.max_images_per_prompt, blank_images=d.blank_images,
                 image_fits=images and images.added_tokens,
                 template_fits=template_fits if tokenizer.chat_template else None,  # (none: the runners' error)
-                prompt_tokens=prompt_tokens if tokenizer.chat_template or not d.apply_chat_template else None)
+                prompt_tokens=functools.partial(first_prompt_lengths, tokenizer, d.apply_chat_template)
+                if tokenizer.chat_template or not d.apply_chat_template else None)
     generated = cfg.rollout.max_new_tokens or d.max_len // 2  # (roles.py's sampling; eval's: the controller's)
     eval_rows = _named("eval.data_path", load_prompts, cfg.eval.data_path, split=cfg.eval.split,
                        config_name=cfg.eval.config_name, lengths=(d.max_len, cfg.eval.max_new_tokens or generated),

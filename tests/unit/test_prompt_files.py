@@ -715,6 +715,34 @@ def test_prompts_over_the_room_their_first_turn_leaves_are_counted_at_load(tmp_p
         "Fix: raise data.max_len, lower the max_new_tokens, or filter those rows out"]
 
 
+def test_the_long_prompt_count_takes_the_rows_the_run_reads_and_their_images_room(caplog, tmp_path):
+    """Counted over the rows loaded (data.max_samples applied: a row past the cap is never read), each row's room less
+    its images' tokens (`image_fits` each): an image row over it fails at each rollout."""
+    import logging
+
+    from molt_hydra.data.prompts import count_long_prompts
+
+    rows = [{"prompt": "a"}, {"prompt": "b", "images": ["im1", "im2"]}, {"prompt": "c"}]
+    seen = []
+
+    def lengths_of(items):  # every prompt 50 tokens; the rooms it is given, recorded
+        seen.extend(room for _, _, room in items)
+        return [50] * len(items)
+
+    with caplog.at_level(logging.WARNING, logger="molt_hydra.data.prompts"):
+        count_long_prompts(rows, "spec", lengths_of, 96, 32, image_fits=lambda im: 10)
+    assert seen == [64, 64 - 2 * 10, 64]
+    (record,) = caplog.records
+    assert record.getMessage().startswith(
+        "data: 1 of 3 rows of spec have prompts over the 64 tokens data.max_len=96 leaves them beside "
+        "max_new_tokens=32 and their images (the longest 50 tokens; row ids [1]): ")
+    path = tmp_path / "rows.jsonl"
+    path.write_text("".join(json.dumps({"prompt": p, "label": "1"}) + "\n" for p in "abcde"))
+    seen.clear()
+    assert len(load_prompts(str(path), max_samples=2, prompt_tokens=lengths_of, lengths=(96, 32))) == 2
+    assert seen == [64, 64]  # the two rows read, not the file's five
+
+
 @pytest.mark.parametrize("part", [{"type": "image", "image": "/data/x.png"},
                                   {"type": "image_url", "image_url": {"url": "/data/x.png"}}])
 def test_an_sft_image_part_of_its_own_image_is_refused_naming_the_form_sft_reads(tmp_path, part):

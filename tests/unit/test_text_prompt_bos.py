@@ -140,3 +140,16 @@ def test_a_text_prompt_cut_to_its_room_keeps_its_bos(tok):
     asyncio.run(StepEnvRunner(TwoTurns).run_group([ep], engine, tok))
     assert len(body) + 1 > room
     assert engine.prompts[0] == [bos, *body[-(room - 1):]]
+
+
+def test_the_load_count_of_a_text_prompt_counts_its_bos(tok):
+    """The count at load (runtime/roles.py first_prompt_lengths) sees a text prompt as the step runner sends it: with
+    the tokenizer's BOS. A text of exactly the room's tokens is one over it; a chat render counts the template's."""
+    from molt_hydra.runtime.roles import first_prompt_lengths
+
+    text = "hello world, the answer is yes"
+    room = len(ids(tok, text))
+    chat = [{"role": "user", "content": text}]
+    rendered = len(ids(tok, tok.apply_chat_template(chat, tokenize=False, add_generation_prompt=True)))
+    assert first_prompt_lengths(tok, False, [(text, None, room), (chat, None, 1), ("hi", None, 1000)]) == [
+        room + 1, rendered, len("hi") + 2]  # the last: fits for sure, by its bytes (at most one token each, + 2)
