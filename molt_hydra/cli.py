@@ -295,7 +295,7 @@ def _composed(overrides: list[str], search: list[str], parsed: list, hydra_confi
     again, so every such key is named at once (the config is then that of the rest, for the checks that follow on the
     overrides composed; its problems make the command fail)."""
     register()
-    rest, problems = list(range(len(overrides))), []  # (the overrides' places: a text may be given twice, ~a ~a)
+    rest, problems, last = list(range(len(overrides))), [], None  # (places: a text may be given twice, ~a ~a)
     while True:
         texts = [overrides[i] for i in rest]
         GlobalHydra.instance().clear()
@@ -306,7 +306,10 @@ def _composed(overrides: list[str], search: list[str], parsed: list, hydra_confi
         except VersionError:  # (compat/hydra.py: another hydra-core, not the user's override)
             raise
         except Exception as e:  # noqa: BLE001 -- every composition failure is the user's override
+            if str(e) == last:  # the one set aside was not its cause (a recipe's value): told once, as it is now
+                problems.pop()
             problems.append(line := _composition_problem(e, texts))
+            last = str(e)
         blamed = next((i for i in rest if not parsed[i].is_delete() and not _is_group(name := parsed[i].key_or_group)
                        and "/" not in name and not name.startswith("hydra") and (
                            line.startswith(f"- {overrides[i]}:") or f"({overrides[i]})" in line)), None)

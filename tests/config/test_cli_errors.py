@@ -767,6 +767,18 @@ def test_every_value_hydra_cannot_take_is_named_at_once():
     assert cfg is None and len(problems) == 1 and problems[0].startswith("- model=nope: no such option"), problems
 
 
+def test_a_recipes_bad_value_is_told_once_blaming_the_recipe(tmp_path):
+    """A value the recipe's YAML gives, under a key the command line sets too: Hydra's error names the command line's
+    override, which is set aside, and the same error comes again. Told once, naming the recipe (was: twice, the first
+    blaming the valid override)."""
+    (tmp_path / "recipe").mkdir()
+    (tmp_path / "recipe" / "bad.yaml").write_text("# @package _global_\ntrain:\n  optimizer:\n    lr: abc\n")
+    _, problems = compose_checked(["+recipe=bad", "train.optimizer.lr=1e-5", "seed=3"], config_dir=str(tmp_path))
+    assert len(problems) == 1, problems
+    assert problems[0].startswith("- train.optimizer.lr: Value 'abc' of type 'str' could not be converted to Float "
+                                  "(+recipe=bad). Fix: ")
+
+
 def test_a_dry_run_writes_nothing(monkeypatch, tmp_path, capsys):
     """Before: `molt-run dry_run=true` (and a multirun of dry runs) left Hydra's run directory behind: .hydra/ with
     three files and cli.log, for a run that never started."""
