@@ -1483,10 +1483,14 @@ def _command_line_problems(args) -> list[str]:
         if not first.dry_run:  # one line naming the key, before each point's directories fail on it (4 lines each)
             from molt_hydra.runtime.writable import fail_unless_writable
 
-            # submitit makes its folder as it submits (%j: each job's id): one it cannot make was a traceback there
+            # submitit makes its folder as it submits (%j: each job's id): one it cannot make was a traceback there;
+            # checked where submitit makes it (~ expanded, up to the first part naming a job)
             folder = OmegaConf.select(first, "hydra.launcher.submitit_folder", default="", throw_on_resolution_failure=
                                       False)
-            known = {"hydra.launcher.submitit_folder": os.path.abspath(str(folder).split("%")[0])} if folder else {}
+            if folder:
+                from submitit.core.utils import JobPaths
+            known = {"hydra.launcher.submitit_folder": JobPaths.get_first_id_independent_folder(str(folder))} \
+                if folder else {}
             fail_unless_writable({"hydra.sweep.dir": Path(os.path.abspath(first.hydra.sweep.dir)), **log_dirs(first),
                                   **known}, dict.fromkeys(log_dirs(first), LOG_FIX))
         problems, points = sweep_checked(first, overrides, args.config_dir)

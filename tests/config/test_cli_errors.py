@@ -2055,12 +2055,15 @@ def test_an_unwritable_submitit_folder_is_one_line_naming_it(launcher, monkeypat
     (afile := tmp_path / "afile").write_text("")
     monkeypatch.setattr(shutil, "which", lambda name: f"/usr/bin/{name}")  # a Slurm login node: srun on PATH
     monkeypatch.setattr(compat_hydra, "report_submitit_sweeps", lambda: pytest.fail("the sweep went on to submitit"))
-    argv = ["-m", launcher, "seed=1,2", f"hydra.launcher.submitit_folder={afile}/%j", f"hydra.sweep.dir={tmp_path}/s"]
-    assert _main_in_process(argv, monkeypatch, tmp_path) == EXIT_FAILED
-    assert capsys.readouterr().err == (
-        f"Run not started: output directory not writable.\n- hydra.launcher.submitit_folder={afile}: not writable: Not "
-        f"a directory ({afile}). Fix: point hydra.launcher.submitit_folder at a writable directory.\n")
-    assert sorted(p.name for p in tmp_path.iterdir()) == ["afile"]
+    monkeypatch.setenv("HOME", str(tmp_path))  # submitit expands ~, and cuts at the first part naming a job
+    for folder in (f"{afile}/%j", "'~/afile/run_%j/logs'"):
+        argv = ["-m", launcher, "seed=1,2", f"hydra.launcher.submitit_folder={folder}", f"hydra.sweep.dir={tmp_path}/s"]
+        assert _main_in_process(argv, monkeypatch, tmp_path) == EXIT_FAILED
+        assert capsys.readouterr().err == (
+            f"Run not started: output directory not writable.\n- hydra.launcher.submitit_folder={afile}: not "
+            f"writable: Not a directory ({afile}). Fix: point hydra.launcher.submitit_folder at a writable "
+            "directory.\n")
+        assert sorted(p.name for p in tmp_path.iterdir()) == ["afile"]
 
 
 @pytest.mark.parametrize("argv,flag", [(["--resolve"], "--resolve"), (["--package", "train", "dry_run=true"],
