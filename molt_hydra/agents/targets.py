@@ -8,6 +8,7 @@ import difflib
 import hashlib
 import importlib
 import importlib.util
+import os
 import sys
 from pathlib import Path
 from typing import Any
@@ -37,7 +38,7 @@ def absolute_target(target: str) -> str:
     `~` expanded, as validation's import expands it, was: `/cwd/~/agent.py`, not there): the agent runners import it
     in Ray workers, whose working directory is another on a remote cluster."""
     path, sep, name = target.partition(":") if ".py" in target else (target, "", "")
-    return f"{Path(path).expanduser().absolute()}{sep}{name}" if path.endswith(".py") else target
+    return f"{Path(os.path.expanduser(path)).absolute()}{sep}{name}" if path.endswith(".py") else target
 
 
 def subclass(obj: type | str, base: type, need: str) -> type:
@@ -59,7 +60,7 @@ def _defined_once(path: Path, name: str) -> None:
 
 
 def _import_file(path: Path):
-    path = path.expanduser().resolve()
+    path = Path(os.path.expanduser(path)).resolve()
     if not path.is_file():
         raise FileNotFoundError(f"agent file {path} does not exist")
     # One module per file path, registered so that classes it defines pickle and compare by identity.

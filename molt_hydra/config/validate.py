@@ -94,7 +94,7 @@ def check_location(problems: Problems, key: str, location: str, what: str, fix: 
         problems.check(False, key, "is an empty string (it would name the current directory).", fix)
         return
     try:
-        if (path := Path(location).expanduser()).exists():
+        if (path := Path(os.path.expanduser(location))).exists():
             # a file where a directory goes, or a file with nothing in it, failed only when the run loaded it
             problems.check(path.is_dir() or what != "directory", key,
                            f"{location!r} is a file, not a directory.", fix)

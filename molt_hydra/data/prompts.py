@@ -132,7 +132,7 @@ def load_dataset(spec: str, split: str, config: str | None = None, config_fix: s
 
     if why := unread_name(spec):
         raise ValueError(why)
-    path = Path(spec).expanduser()  # as validation reads it (config/validate.py check_location)
+    path = Path(os.path.expanduser(spec))  # as validation reads it (config/validate.py check_location)
     # a directory is read as one whatever its name (was, for one named *.jsonl: "[Errno 21] Is a directory")
     if path.suffix in FILE_TYPES and not os.path.isdir(path):  # a missing file: datasets' FileNotFoundError names it
         if path.suffix in JSON_TYPES and path.is_file():
@@ -157,23 +157,28 @@ def load_dataset(spec: str, split: str, config: str | None = None, config_fix: s
 
 READABLE = (f"a data file ({', '.join(sorted(FILE_TYPES))}), a directory of data files or a save_to_disk "
             "directory")
-COMPRESSED = (".gz", ".bz2", ".xz", ".zst", ".zip", ".lz4")
+COMPRESSED = {".gz": "gunzip -k", ".bz2": "bunzip2 -k", ".xz": "unxz -k", ".zst": "zstd -d", ".zip": "unzip",
+              ".lz4": "lz4 -d"}  # (each suffix's tool, told in the fix)
 
 
 def unread_name(spec: str) -> str | None:
     """Why the run reads no dataset at local name `spec` ("reason. Fix: fix"): a file of a suffix it does not read,
-    the fix for an upper-case or compressed one its own, or a file name pattern; else None. Validation's check too
+    the fix for an upper-case or compressed one its own, a URL or a file name pattern; else None. Validation's check too
     (data/rules.py). Was: each taken for a hub id: "Couldn't find any data file at" a file that is there; for a
     pattern 'neither an existing file or directory nor a hub id (Repo id must be in the form ...)'."""
-    path = Path(spec).expanduser()
+    path = Path(os.path.expanduser(spec))
     if os.path.isfile(path) and path.suffix not in FILE_TYPES:
         inner = Path(path.stem).suffix
         fix = (f"rename it to {path.with_suffix(path.suffix.lower()).name} (suffixes are read in lower case)"
                if path.suffix.lower() in FILE_TYPES else
-               f"decompress it to {path.stem} (e.g. gunzip -k {path}), and point the key at that file"
+               f"decompress it to {path.stem} (e.g. {COMPRESSED[path.suffix.lower()]} {path}), and point the key at "
+               "that file"
                if path.suffix.lower() in COMPRESSED and inner.lower() in FILE_TYPES else f"convert it to {READABLE}")
         return (f"{str(path)!r} is a file of a type the run does not read (suffix {path.suffix or 'none'!r}). "
                 f"Fix: {fix}")
+    if "://" in spec:  # (was: told a file name pattern, for the ? of its query)
+        return (f"{spec!r} is a URL, and the run reads none. Fix: download it, and point the key at the file (or give "
+                "a hub dataset's id)")
     if any(c in spec for c in "*?") and not os.path.lexists(path):  # (no hub id holds these)
         return (f"{spec!r} is a file name pattern, and the run expands none. Fix: point the key at the directory "
                 "that holds the files (read as one dataset), or name each file, comma-separated (job=sft reads one "
@@ -322,7 +327,7 @@ def _table(spec: str, split: str, config: str | None) -> tuple:
     Json and decodes its strings, the label "1" read as 1, "null" as None, "42" as a prompt as the number 42."""
     if why := unread_name(spec):  # (before the JSON files' read: a pattern is no file)
         raise ValueError(why)
-    if (path := Path(spec).expanduser()).suffix in JSON_TYPES and not os.path.isdir(path):
+    if (path := Path(os.path.expanduser(spec))).suffix in JSON_TYPES and not os.path.isdir(path):
         rows = check_json_rows(path)
         columns = sorted({key for row in rows for key in row})
         return [{key: row.get(key) for key in columns} for row in rows], columns

@@ -39,7 +39,7 @@ def check_data(cfg: RunConfig, problems: Problems) -> None:
                 raised(problems, key, ValueError(why), fix)
             else:
                 check_location(problems, key, part, "file or directory", fix)
-                _check_local(cfg, problems, key, Path(part).expanduser())
+                _check_local(cfg, problems, key, Path(os.path.expanduser(part)))
         image = next((p for p in parts if p.startswith(BUILTIN) and p[len(BUILTIN):] in IMAGE_TASKS), None)
         problems.check(image is None or d.max_images_per_prompt > 0, "data.max_images_per_prompt",  # once per key
                        f"{key} has image rows ({image}), but 0 images per prompt reach the engine (a text-only setup).",
@@ -91,7 +91,7 @@ def readable_local(spec: str | Path) -> bool:
     agents/rules.py reads the prompt rows of these)."""
     if not str(spec).strip():  # (Path("") is the current directory)
         return False
-    path = Path(spec).expanduser()
+    path = Path(os.path.expanduser(spec))
     # (os.path's tests: False for a name too long to be a path, where Path's raise OSError; check_location says so)
     if os.path.isfile(path):
         return path.suffix in FILE_TYPES and path.stat().st_size > 0
@@ -137,7 +137,7 @@ def _sft_data(cfg: RunConfig, problems: Problems) -> None:
             if key == "data.train_path":
                 _sft_fills_a_batch(cfg, problems, parts[0], builtin_size(parts[0]))
         # a directory named *.jsonl too is refused (was: passed, and the trainer ranks failed on "Is a directory")
-        folder = len(parts) == 1 and os.path.isdir(Path(parts[0]).expanduser())
+        folder = len(parts) == 1 and os.path.isdir(Path(os.path.expanduser(parts[0])))
         if not parts or len(parts) == 1 and (parts[0] in tasks or Path(parts[0]).suffix in JSON_TYPES and not folder):
             continue
         prompts_only = len(parts) == 1 and parts[0].startswith(BUILTIN)
@@ -213,8 +213,8 @@ def _unread_keys(cfg: RunConfig, problems: Problems) -> None:
             ("eval.split", cfg.eval.data_path, _one_dataset, "Dataset", splits),
             ("data.config_name", cfg.data.train_path, saved_dir, "dataset", configs),
             ("eval.config_name", cfg.eval.data_path, saved_dir, "dataset", configs)):
-        fixed = [s for s in _specs(spec) if s.startswith(BUILTIN) or saved(Path(s).expanduser())
-                 or Path(s).suffix in FILE_TYPES and not os.path.isdir(Path(s).expanduser())]  # (a file's name)
+        fixed = [s for s in _specs(spec) if s.startswith(BUILTIN) or saved(Path(os.path.expanduser(s)))
+                 or Path(s).suffix in FILE_TYPES and not os.path.isdir(Path(os.path.expanduser(s)))]  # (a file's name)
         problems.check(not (fixed and len(fixed) == len(_specs(spec)) and _set(cfg, key)), key,
                        f"{', '.join(fixed)} has no {key.split('.')[1].split('_')[0]}s to choose from (a builtin:// "
                        f"task, a data file or a saved {kind}), so it changes nothing.",

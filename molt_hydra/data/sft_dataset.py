@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import hashlib
 import logging
+import os
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -140,7 +141,7 @@ def load_rows(data: str | list[dict]) -> list[dict]:
         return list(data)
     if str(data).startswith(BUILTIN):
         return builtin_rows(str(data))
-    path = Path(data).expanduser()  # as validation reads it (config/validate.py check_location)
+    path = Path(os.path.expanduser(data))  # as validation reads it (config/validate.py check_location)
     if path.suffix not in JSON_TYPES:
         raise ValueError(f"SFT data {str(path)!r}: expected a .jsonl or .json file (or a list of rows)")
     # read as prompt files are: a list, one object or JSON Lines in a .json, each row an object, an error naming the
@@ -156,7 +157,7 @@ def data_identity(data) -> str | None:
         return None
     if str(data).startswith(BUILTIN):
         return str(data)
-    path = Path(data).expanduser()
+    path = Path(os.path.expanduser(data))
     with path.open("rb") as f:  # in chunks: a training file may be gigabytes
         digest = hashlib.file_digest(f, "sha256").hexdigest()
     return f"{path.stat().st_size} bytes, sha256 {digest[:16]}"

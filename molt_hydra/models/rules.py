@@ -5,6 +5,7 @@ runtime/validate.py beside config/validate.py's rules."""
 from __future__ import annotations
 
 import json
+import os
 from pathlib import Path
 
 from molt_hydra.config.schema import WEIGHTS_ALONE, RunConfig
@@ -94,7 +95,7 @@ def has_chat_template(path: str) -> bool | None:
     if path.startswith(smollm2.SCHEME):
         path = str(smollm2.CACHE / path[len(smollm2.SCHEME):])
     try:
-        local = Path(path).expanduser()
+        local = Path(os.path.expanduser(path))
         files = {name: local / name for name in ("tokenizer_config.json", "chat_template.jinja", "chat_template.json")}
         if not local.is_dir():  # a hub name: its files where the hub cache holds them
             from huggingface_hub import try_to_load_from_cache
@@ -119,7 +120,7 @@ def _model_location(problems: Problems, key: str, location: str | None) -> None:
         return
     check_location(problems, key, location, "directory", fix)
     try:  # (an over-long or unreadable path: check_location reported it)
-        path = Path(location).expanduser()
+        path = Path(os.path.expanduser(location))
         model_dir = key != "model.tokenizer_path" and path.is_dir() and any(path.iterdir())
     except OSError:
         return

@@ -650,6 +650,7 @@ READABLE = "a data file (.arrow, .csv, .json, .jsonl, .parquet), a directory of 
     ("train.JSONL", "rename it to train.jsonl (suffixes are read in lower case)"),
     ("train.jsonl.gz", "decompress it to train.jsonl (e.g. gunzip -k FILE), and point the key at that file"),
     ("train.json.gz", "decompress it to train.json (e.g. gunzip -k FILE), and point the key at that file"),
+    ("train.jsonl.xz", "decompress it to train.jsonl (e.g. unxz -k FILE), and point the key at that file"),
     ("rows.txt", f"convert it to {READABLE}")])
 def test_a_file_of_a_suffix_the_run_does_not_read_is_named_with_the_fix_for_its_suffix(tmp_path, name, fix):
     """An upper-case suffix or a compressed file, at validation and at load (python -m molt_hydra.data.prepare
@@ -665,6 +666,17 @@ def test_a_file_of_a_suffix_the_run_does_not_read_is_named_with_the_fix_for_its_
     with pytest.raises(ValueError) as err:
         _named("data.train_path", load_prompts, str(path))
     assert str(err.value) == f"data.train_path={path}: {reason}"
+
+
+@pytest.mark.parametrize("spec, reason", [
+    ("https://x.org/f.jsonl?dl=1", "'https://x.org/f.jsonl?dl=1' is a URL, and the run reads none. Fix: download it, "
+                                   "and point the key at the file (or give a hub dataset's id)"),
+    ("~nosuchuser_34/x.jsonl", "'~nosuchuser_34/x.jsonl' is neither an existing file or directory nor a hub id")])
+def test_a_url_and_an_unknown_users_home_are_told_without_a_traceback(spec, reason):
+    """Before: a URL was told a file name pattern (for its query's ?); ~user of no such user ended validation in
+    pathlib's RuntimeError traceback ("Could not determine home directory")."""
+    (problem,) = _config_problems(spec)
+    assert problem.startswith(f"- data.train_path: {reason}"), problem
 
 
 def test_a_file_name_pattern_is_refused_naming_the_directory_as_the_fix(tmp_path):
