@@ -133,7 +133,8 @@ def _executor(launcher):
 
 def _refusal(launcher, sbatch_error: str) -> str:
     if "Unable to contact slurm controller" in sbatch_error:  # (no request of the user's: told as one, the fix misled)
-        return (f"- hydra/launcher: sbatch could not reach Slurm's controller ({sbatch_error.splitlines()[-1]}), so "
+        said = next(line for line in sbatch_error.splitlines() if "Unable to contact slurm controller" in line)
+        return (f"- hydra/launcher: sbatch could not reach Slurm's controller ({said.strip()}), so "
                 "nothing was submitted. Fix: run molt-run -m where `scontrol ping` says UP (a login node of the "
                 "cluster), or again once slurmctld is back")
     cluster = launcher.config.cluster
