@@ -406,7 +406,13 @@ class TrainerWorker:
                          for n, p in self.model.named_parameters())
                 debug = grad_norm_metrics(grads, *self.spec.debug_grad_norms,
                                           "critic" if self.role == "critic" else "actor")
-            grad_norms.append(self._clip_grads())
+            grad_norms.append(gn := self._clip_grads())
+            if not torch.isfinite(gn):  # (every rank: the norm is reduced) was: the update wrote NaN into every weight
+                raise FloatingPointError(
+                    f"the gradient norm is {float(gn)} at optimizer step {self.global_step + 1}: a NaN or inf in the "
+                    "loss or its gradients; the weights were not updated (the last checkpoint is kept). Fix: lower "
+                    "train.optimizer.lr; logger.debug_grad_norms=true names the parameters whose gradients are not "
+                    "finite")
             self.optimizer.step()
             self.scheduler.step()
             self.optimizer.zero_grad(set_to_none=True)

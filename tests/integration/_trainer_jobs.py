@@ -243,3 +243,27 @@ def compiled_steps(rank, world_size, port, out, compile_blocks, checkpointing=Fa
     if rank == 0:
         torch.save({"rows": rows, "warnings": warned}, out)
     w.shutdown()
+
+
+def nonfinite_step(rank, world_size, port, out):
+    """A NaN in the forward (one embedding row): the step's gradient norm is NaN. The step raises, naming it, before
+    the optimizer writes it into the weights: the final norm's weight and the optimizer's step count stay."""
+    w = worker(rank, world_size, port)
+    samples = with_old_logprobs(w, make_samples(4))
+    emb, norm = w.model.get_input_embeddings().weight, dict(w.model.named_parameters())["model.norm.weight"]
+
+    def full(p):
+        return (p.full_tensor() if hasattr(p, "full_tensor") else p).detach().clone()
+
+    before = full(norm)
+    with torch.no_grad():
+        local = emb.to_local() if hasattr(emb, "to_local") else emb
+        local[0].fill_(float("nan"))
+    samples[0]["input_ids"][0] = 0  # (rank 0's row 0 of the vocabulary, on every rank's shard layout)
+    try:
+        w.train_step(samples, ppo_objective())
+        error = None
+    except FloatingPointError as e:
+        error = str(e)
+    if rank == 0:
+        torch.save({"error": error, "global_step": w.global_step, "norm_same": torch.equal(before, full(norm))}, out)

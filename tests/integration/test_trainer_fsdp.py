@@ -260,3 +260,14 @@ def test_a_forward_only_pass_on_one_rank_frees_its_gathered_params(tmp_path):
     run_ranks(jobs.forward_only_reshards, 1, tmp_path / "r.pt", timeout_s=180)
     r = torch.load(tmp_path / "r.pt", weights_only=False)
     assert r["before"] and r["after"] == r["params"]  # every parameter sharded again, none left gathered
+
+
+def test_a_non_finite_gradient_norm_stops_the_step_before_the_weights(tmp_path):
+    """Before: clip_grad_norm_ of a NaN norm scaled every gradient to NaN and AdamW wrote them into the weights, the
+    run going on with a NaN model without a word (Molt has only its debug prints)."""
+    run_ranks(jobs.nonfinite_step, 1, tmp_path / "n.pt", timeout_s=180)
+    got = torch.load(tmp_path / "n.pt")
+    assert got["error"] is not None and got["error"].startswith(
+        "the gradient norm is nan at optimizer step 1: a NaN or inf in the loss or its gradients; the weights were "
+        "not updated (the last checkpoint is kept)."), got
+    assert got["global_step"] == 0 and got["norm_same"]
