@@ -227,6 +227,9 @@ HOSTILE = [  # (path, raw body, status, param or None, words the message must co
      "tools[0]", "tools[0] keys ['input_examples'] are not served"),
     ("/v1/responses", {"input": "hi", "tools": [{"type": "function", "name": "f", "defer_loading": True}]}, 400,
      "tools[0]", "tools[0] keys ['defer_loading'] are not served"),
+    # an image by file id, which nothing here stores (was: "unsupported content part 'input_image'", a type it serves)
+    ("/v1/responses", {"input": [{"role": "user", "content": [{"type": "input_image", "file_id": "file-1"}]}]}, 400,
+     "input[0].content[0]", "input_image needs 'image_url'"),
     # a JSON array or object where a role / type name goes (was: 500 "unhashable type")
     ("/v1/chat/completions", {"messages": [{"role": ["user"], "content": "hi"}]}, 400, "messages[0]", "role in"),
     ("/v1/responses", {"input": [{"role": {"user": 1}, "content": "hi"}]}, 400, "input[0]", "message role"),

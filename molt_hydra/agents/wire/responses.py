@@ -172,7 +172,10 @@ def _part(p: Any, at: str) -> dict:
     ptype = p.get("type") if isinstance(p, dict) else None
     if ptype in ("input_text", "output_text", "text"):
         return check.text_part(p, at)
-    if ptype == "input_image" and isinstance(p.get("image_url"), str):
+    if ptype == "input_image":
+        if not isinstance(p.get("image_url"), str):  # (was: "unsupported content part 'input_image'", a type it serves)
+            raise bad(f"{at}: an input_image needs 'image_url', the image's URL or a data: URL (base64); 'file_id' is "
+                      "not served: no file is uploaded or stored here", at)
         if p.get("detail") not in (None, "auto", "high"):  # (was: ignored, the image taken whole whatever it asked)
             raise bad(f"{at}: input_image detail={p['detail']!r} is not honoured: the model's image processor takes "
                       "every image at its own full resolution, as 'auto' and 'high' do; downscale the image before "
