@@ -230,6 +230,9 @@ HOSTILE = [  # (path, raw body, status, param or None, words the message must co
     # an image by file id, which nothing here stores (was: "unsupported content part 'input_image'", a type it serves)
     ("/v1/responses", {"input": [{"role": "user", "content": [{"type": "input_image", "file_id": "file-1"}]}]}, 400,
      "input[0].content[0]", "input_image needs 'image_url'"),
+    # a format as its type's name alone (was: "'text.format' type must be text, json_object or json_schema, got None")
+    ("/v1/responses", {"input": "hi", "text": {"format": "json_object"}}, 400, "text.format",
+     "'text.format' must be an object {type: text | json_object | json_schema, ...}, got 'json_object'"),
     # a JSON array or object where a role / type name goes (was: 500 "unhashable type")
     ("/v1/chat/completions", {"messages": [{"role": ["user"], "content": "hi"}]}, 400, "messages[0]", "role in"),
     ("/v1/responses", {"input": [{"role": {"user": 1}, "content": "hi"}]}, 400, "input[0]", "message role"),
