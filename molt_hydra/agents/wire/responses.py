@@ -209,7 +209,9 @@ def body(reply, req: ChatRequest, model: str, rid: str | None = None) -> dict:
                for cid, tc in zip(c.tool_call_ids, c.tool_calls)]
     usage = {"input_tokens": reply.prompt_tokens, "output_tokens": reply.completion_tokens,
              "total_tokens": reply.prompt_tokens + reply.completion_tokens,
-             "input_tokens_details": {"cached_tokens": 0},
+             # both required by OpenAI's usage schema (was: no cache_write_tokens: the SDK's Response.model_validate
+             # failed on it)
+             "input_tokens_details": {"cached_tokens": 0, "cache_write_tokens": 0},
              "output_tokens_details": {"reasoning_tokens": c.reasoning_tokens}}
     return {"id": rid or new_id("resp_"), "object": "response", "created_at": int(time.time()),
             "status": status, "error": None, "model": model, "output": output,
