@@ -110,6 +110,24 @@ def test_responses_stream_items_open_fill_and_close_in_order(tok):
     assert final["usage"]["output_tokens_details"]["reasoning_tokens"] == len(tok("\nhmm\n")["input_ids"]) > 0
 
 
+def test_every_responses_event_and_body_validate_as_the_openai_sdks_own_types(tok):
+    """Each streamed event and the response body pass the openai SDK's pydantic models (the API's schema), as a client
+    that validates them with those models checks them: a reply with thinking, text and a call. Was: usage without
+    `input_tokens_details.cache_write_tokens`, which the schema requires (`Response.model_validate` failed on it)."""
+    from openai.types.responses import Response, ResponseStreamEvent
+    from pydantic import TypeAdapter
+
+    tools = [dict(TOOL["function"], type="function")]
+    body = {"input": "hi", "tools": tools, "include": ["message.output_text.logprobs"], "top_logprobs": 1}
+    status, events = exchange(tok, "/v1/responses", dict(body, stream=True), THOUGHT_TEXT_CALL, "qwen3")
+    validated = [TypeAdapter(ResponseStreamEvent).validate_python(data) for _, data in events]
+    assert status == 200 and validated[-1].type == "response.completed"
+    assert [i.type for i in validated[-1].response.output] == ["reasoning", "message", "function_call"]
+    assert validated[-1].response.usage.input_tokens_details.cache_write_tokens == 0  # nothing is cached here
+    status, whole = exchange(tok, "/v1/responses", body, THOUGHT_TEXT_CALL, "qwen3")
+    assert status == 200 and Response.model_validate(whole).output[2].name == "python"
+
+
 def test_anthropic_stream_numbers_its_blocks_and_sends_tool_use_whole(tok):
     status, events = exchange(tok, "/v1/messages", {"messages": USER, "max_tokens": 50, "stream": True,
                                                     "tools": [{"name": "python", "input_schema": {"type": "object"}}]},
@@ -227,6 +245,12 @@ HOSTILE = [  # (path, raw body, status, param or None, words the message must co
      "tools[0]", "tools[0] keys ['input_examples'] are not served"),
     ("/v1/responses", {"input": "hi", "tools": [{"type": "function", "name": "f", "defer_loading": True}]}, 400,
      "tools[0]", "tools[0] keys ['defer_loading'] are not served"),
+    # an image by file id, which nothing here stores (was: "unsupported content part 'input_image'", a type it serves)
+    ("/v1/responses", {"input": [{"role": "user", "content": [{"type": "input_image", "file_id": "file-1"}]}]}, 400,
+     "input[0].content[0]", "input_image needs 'image_url'"),
+    # a format as its type's name alone (was: "'text.format' type must be text, json_object or json_schema, got None")
+    ("/v1/responses", {"input": "hi", "text": {"format": "json_object"}}, 400, "text.format",
+     "'text.format' must be an object {type: text | json_object | json_schema, ...}, got 'json_object'"),
     # a JSON array or object where a role / type name goes (was: 500 "unhashable type")
     ("/v1/chat/completions", {"messages": [{"role": ["user"], "content": "hi"}]}, 400, "messages[0]", "role in"),
     ("/v1/responses", {"input": [{"role": {"user": 1}, "content": "hi"}]}, 400, "input[0]", "message role"),

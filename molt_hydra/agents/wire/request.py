@@ -331,6 +331,8 @@ def reasoning_effort(v: Any, param: str) -> bool | None:
 
 def response_format(v: Any, param: str = "response_format") -> dict | None:
     """OpenAI response_format (or Responses text.format) → vLLM structured output fields."""
+    if v is not None and not isinstance(v, dict):  # (was: "type must be ..., got None" of a format sent as "text")
+        raise bad(f"'{param}' must be an object {{type: text | json_object | json_schema, ...}}, got {v!r}", param)
     kind = v.get("type") if isinstance(v, dict) else None
     if v is None or kind == "text":
         return None

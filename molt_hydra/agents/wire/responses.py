@@ -172,7 +172,10 @@ def _part(p: Any, at: str) -> dict:
     ptype = p.get("type") if isinstance(p, dict) else None
     if ptype in ("input_text", "output_text", "text"):
         return check.text_part(p, at)
-    if ptype == "input_image" and isinstance(p.get("image_url"), str):
+    if ptype == "input_image":
+        if not isinstance(p.get("image_url"), str):  # (was: "unsupported content part 'input_image'", a type it serves)
+            raise bad(f"{at}: an input_image needs 'image_url', the image's URL or a data: URL (base64); 'file_id' is "
+                      "not served: no file is uploaded or stored here", at)
         if p.get("detail") not in (None, "auto", "high"):  # (was: ignored, the image taken whole whatever it asked)
             raise bad(f"{at}: input_image detail={p['detail']!r} is not honoured: the model's image processor takes "
                       "every image at its own full resolution, as 'auto' and 'high' do; downscale the image before "
@@ -206,7 +209,9 @@ def body(reply, req: ChatRequest, model: str, rid: str | None = None) -> dict:
                for cid, tc in zip(c.tool_call_ids, c.tool_calls)]
     usage = {"input_tokens": reply.prompt_tokens, "output_tokens": reply.completion_tokens,
              "total_tokens": reply.prompt_tokens + reply.completion_tokens,
-             "input_tokens_details": {"cached_tokens": 0},
+             # both required by OpenAI's usage schema (was: no cache_write_tokens: the SDK's Response.model_validate
+             # failed on it)
+             "input_tokens_details": {"cached_tokens": 0, "cache_write_tokens": 0},
              "output_tokens_details": {"reasoning_tokens": c.reasoning_tokens}}
     return {"id": rid or new_id("resp_"), "object": "response", "created_at": int(time.time()),
             "status": status, "error": None, "model": model, "output": output,
