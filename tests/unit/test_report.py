@@ -3,9 +3,11 @@
 from __future__ import annotations
 
 import json
+import os
 import pickle
 from pathlib import Path
 
+import pytest
 import yaml
 from submitit.helpers import DelayedSubmission
 
@@ -131,3 +133,85 @@ def test_a_mistyped_metric_is_named_not_an_empty_column(tmp_path, capsys):
     assert report.main([str(sweep), "--metric", "train/rewrd"]) == 0
     assert ("molt-report: no point logged train/rewrd (its columns are empty); the nearest logged: train/reward"
             in capsys.readouterr().err)
+
+
+def _run(root: Path, name: str, rows: list[dict] | None, max_steps: int | None = 4) -> Path:
+    """A run's directory as `molt-run` leaves it: run_record.json written at its start, then its metrics rows."""
+    d = root / name
+    d.mkdir(parents=True)
+    (d / "resolved_config.yaml").write_text(yaml.safe_dump({"train": {"max_steps": max_steps}}))
+    (d / "run_record.json").write_text(json.dumps({"job": "rl", "name": name}))
+    if rows is not None:
+        (d / "metrics.jsonl").write_text("".join(json.dumps({"kind": "train", **r}) + "\n" for r in rows))
+    return d
+
+
+def _failed(run: Path, message: str, after_start: bool = True) -> None:
+    """failure.txt as entrypoint._with_details writes it: the message, a blank line, the traceback."""
+    (run / "failure.txt").write_text(f"{message}\nLast checkpoint: none\n\nTraceback (most recent call last):\n")
+    record = (run / "run_record.json").stat().st_mtime
+    os.utime(run / "failure.txt", (record + 5, record + 5) if after_start else (record - 5, record - 5))
+
+
+ROWS = [{"step": 1, "train/reward": 0.25}, {"step": 2, "train/reward": 0.5}]
+
+
+def test_a_crashed_run_is_failed_with_the_cause_its_failure_txt_starts_with(tmp_path):
+    """Before: "stopped at step 2", as a run killed or still going; a run that failed at its start (no metrics yet)
+    was no run at all ("no sweep points under ...", exit 2)."""
+    crashed = _run(tmp_path, "crashed", ROWS)
+    _failed(crashed, "Run failed: actor rank 0: train_step failed: the process died.")
+    assert [p.status for p in report.load_points(crashed)] == ["failed: actor rank 0: train_step failed: the process "
+                                                               "died"]
+    at_start = _run(tmp_path, "at_start", None)
+    _failed(at_start, "Run failed: rollout engine 0: its start failed: ValueError: no KV cache.")
+    assert report.main([str(at_start)]) == 0
+    assert report.table(report.load_points(at_start), [("train/reward", "max")])[1] == [
+        ["0", "-", "failed: rollout engine 0: its start failed: ValueError: no KV cache", "-", "-", "-", "-"]]
+    # a resume of it started since (run_record.json written again, after failure.txt): that failure is not its own
+    resumed = _run(tmp_path, "resumed", ROWS)
+    _failed(resumed, "Run failed: actor rank 0: train_step failed: the process died.", after_start=False)
+    assert [p.status for p in report.load_points(resumed)] == ["stopped at step 2"]
+
+
+def test_a_run_in_progress_is_running(tmp_path):
+    """The run's lock (runtime/run_lock.py), held while it runs. Before: "stopped at step 2"."""
+    from molt_hydra.runtime.run_lock import run_lock
+
+    going = _run(tmp_path, "going", ROWS)
+    with run_lock({"output_dir": str(going)}):
+        assert [p.status for p in report.load_points(going)] == ["running (step 2)"]
+    assert [p.status for p in report.load_points(going)] == ["stopped at step 2"]  # its process gone, no end recorded
+
+
+@pytest.mark.parametrize("max_steps", [4, None])
+def test_a_run_whose_data_ran_out_before_max_steps_is_completed(tmp_path, max_steps):
+    """The run records its end (runtime/entrypoint.py `_train`: run_record.record_end); steps 2 of train.max_steps=4
+    (the prompts ran out), or no train.max_steps at all (num_episodes over the data). Before: "stopped at step 2"."""
+    from molt_hydra.runtime.run_record import record_end
+
+    run = _run(tmp_path, "ran_out", ROWS, max_steps=max_steps)
+    record_end(run, 2)
+    assert json.loads((run / "run_record.json").read_text()) == {"job": "rl", "name": "ran_out", "ended": {"step": 2}}
+    assert [p.status for p in report.load_points(run)] == ["completed"]
+
+
+def test_a_sweep_of_finished_failed_and_running_points_tells_each(tmp_path):
+    from molt_hydra.runtime.run_lock import run_lock
+    from molt_hydra.runtime.run_record import record_end
+
+    sweep = tmp_path / "sweep"
+    done = _point(sweep, 0, ["seed=1"], ROWS)  # max_steps 4: its data ran out at step 2
+    (done / "run_record.json").write_text("{}")
+    record_end(done, 2)
+    crashed = _point(sweep, 1, ["seed=2"], ROWS[:1])
+    (crashed / "run_record.json").write_text("{}")
+    _failed(crashed, "Run failed: agent runner: every rollout of the last 4 prompt groups (16 rollouts) failed; "
+                     "nothing can be trained.")
+    going = _point(sweep, 2, ["seed=3"], ROWS)
+    with run_lock({"output_dir": str(going)}):
+        points = report.load_points(sweep)
+    assert [p.status for p in points] == [
+        "completed", "failed: agent runner: every rollout of the last 4 prompt groups (16 rollouts) failed; nothing "
+                     "can be trained", "running (step 2)"]
+
