@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import math
 import os
 import pickle
 from pathlib import Path
@@ -214,4 +215,16 @@ def test_a_sweep_of_finished_failed_and_running_points_tells_each(tmp_path):
     assert [p.status for p in points] == [
         "completed", "failed: agent runner: every rollout of the last 4 prompt groups (16 rollouts) failed; nothing "
                      "can be trained", "running (step 2)"]
+
+
+def test_a_metric_that_turned_nan_shows_nan_as_its_final_value(tmp_path):
+    """A NaN is logged as is (docs/metrics.md): the final column is the last step's value, the best the best finite
+    one. Before: the final column showed step 2's 0.5, the diverged run read as healthy."""
+    nan, inf = float("nan"), float("inf")
+    rows = [{"step": 1, "k": 0.25}, {"step": 2, "k": 0.5}, {"step": 3, "k": nan}]
+    final, best, at = report.final_and_best(rows, "k", "max")
+    assert math.isnan(final) and (best, at) == (0.5, 2)
+    assert report.final_and_best([{"step": 1, "k": nan}, {"step": 2, "k": inf}], "k", "max") == (inf, None, None)
+    run = _run(tmp_path, "diverged", [{"step": s, "train/reward": r} for s, r in enumerate([0.25, 0.5, nan], 1)])
+    assert report.table(report.load_points(run), [("train/reward", "max")])[1][0][4:] == ["nan", "0.5", "2"]
 
