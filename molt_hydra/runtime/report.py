@@ -164,13 +164,18 @@ def _parse_metric(spec: str) -> tuple[str, str]:
 
 
 def _name_unlogged(points: list[Point], metrics: list[tuple[str, str]]) -> None:
-    """A metric no point logged (mistyped, or the points have not logged yet) is named, with the nearest logged."""
+    """A metric no point logged (mistyped, or the points have not logged yet) is named, with the nearest logged, else
+    those holding its last part (`pass1`: eval/eval_toy_pass1), else the logged ones (was: "the nearest logged: none",
+    what to ask for untold)."""
     logged = sorted({k for p in points for row in p.rows for k in row if k not in ("step", "kind")})
     for key in dict.fromkeys(key for key, _ in metrics):
-        if key not in logged:
-            near = ", ".join(difflib.get_close_matches(key, logged, n=3)) or "none"
-            print(f"molt-report: no point logged {key} (its columns are empty); the nearest logged: {near}",
-                  file=sys.stderr)
+        if key in logged:
+            continue
+        near = difflib.get_close_matches(key, logged, n=3) or [k for k in logged if key.rsplit("/", 1)[-1] in k][:8]
+        some = f"{', '.join(logged[:12])}{', ...' if len(logged) > 12 else ''}"
+        told = (f"the nearest logged: {', '.join(near)}" if near else
+                f"none is near it; the {len(logged)} logged: {some}" if logged else "no point logged any metric yet")
+        print(f"molt-report: no point logged {key} (its columns are empty); {told}", file=sys.stderr)
 
 
 def table(points: list[Point], metrics: list[tuple[str, str]]) -> tuple[list[str], list[list[str]]]:

@@ -228,3 +228,20 @@ def test_a_metric_that_turned_nan_shows_nan_as_its_final_value(tmp_path):
     run = _run(tmp_path, "diverged", [{"step": s, "train/reward": r} for s, r in enumerate([0.25, 0.5, nan], 1)])
     assert report.table(report.load_points(run), [("train/reward", "max")])[1][0][4:] == ["nan", "0.5", "2"]
 
+
+def test_a_metric_nothing_near_names_what_was_logged(tmp_path, capsys):
+    """Before: "the nearest logged: none" for `pass1` (difflib finds nothing near eval/eval_toy_pass1), and for a key
+    like nothing logged, what to ask for untold."""
+    run = _run(tmp_path, "run", [{"step": 0, "kind": "eval", "eval/eval_toy_pass1": 0.5, "eval/eval_toy_pass2": 1.0},
+                                 {"step": 1, "train/reward": 0.25, "train/rollout/pass1": 0.25}])
+    assert report.main([str(run), "--metric", "pass1", "--metric", "zzz"]) == 0
+    err = capsys.readouterr().err
+    logged = ["eval/eval_toy_pass1", "eval/eval_toy_pass2", "train/reward", "train/rollout/pass1"]
+    assert ("molt-report: no point logged pass1 (its columns are empty); the nearest logged: "
+            f"{logged[0]}, {logged[3]}") in err
+    assert f"molt-report: no point logged zzz (its columns are empty); none is near it; the 4 logged: " \
+           f"{', '.join(logged)}" in err
+    empty = _run(tmp_path, "empty", None)
+    assert report.main([str(empty), "--metric", "train/reward"]) == 0
+    assert "no point logged train/reward (its columns are empty); no point logged any metric yet" in \
+           capsys.readouterr().err
