@@ -385,6 +385,11 @@ class RLController:
         m["timing/eval"] = time.perf_counter() - t0
         self.log.eval(self.step, m)
         key = self.cfg.checkpoint.best_metric_key or next((k for k in sorted(m) if k.endswith("_pass1")), "")
+        if key not in m and key not in ("", "none"):  # a data source validation cannot see (was: not a word)
+            returned = ", ".join(k for k in m if k.startswith("eval_"))
+            print(f"eval at step {self.step}: checkpoint.best_metric_key={key} is no metric this evaluation returned "
+                  f"({returned}): no checkpoint is kept as the best. Fix: name one of them (a data source whose every "
+                  "rollout failed returns none: eval_dropped_*)", flush=True)
         # (a saved best of another key, checkpoint.best_metric_key changed on a resume, is not this key's to beat)
         if key in m and key != "none" and (self.best is None or self.best[0] != key or m[key] > self.best[1]):
             self.best = (key, m[key])
