@@ -307,6 +307,15 @@ def main(argv: list[str] | None = None) -> int:
     if not args.sweep_dir.is_dir():
         print(f"molt-report: {args.sweep_dir} is not a directory", file=sys.stderr)
         return 2
+    if args.png is not None:  # told before the table (was: matplotlib's traceback after it)
+        from matplotlib.backend_bases import FigureCanvasBase
+
+        kinds = sorted(FigureCanvasBase.get_supported_filetypes())
+        why = (f"{args.png.parent} is no directory" if not args.png.parent.is_dir() else None if
+               args.png.suffix.lstrip(".").lower() in kinds else f"no image format ends it ({', '.join(kinds)})")
+        if why:
+            print(f"molt-report: --png {args.png}: {why}. Fix: a .png path in an existing directory", file=sys.stderr)
+            return 2
     points = load_points(args.sweep_dir)
     if not points:
         print(f"molt-report: no sweep points under {args.sweep_dir} "
@@ -316,9 +325,14 @@ def main(argv: list[str] | None = None) -> int:
     print(render(*table(points, metrics)))
     key = metrics[0][0]
     png = args.png or args.sweep_dir / f"report_{key.replace('/', '_')}.png"
-    print(f"\nplot of {key}: {plot(points, key, png)}")
     spec = dashboard_spec(args.sweep_dir, points)
-    print(f"dashboard sections: {plot_sections(points, spec, args.sweep_dir / 'report', metrics)}")
+    try:
+        print(f"\nplot of {key}: {plot(points, key, png)}")
+        print(f"dashboard sections: {plot_sections(points, spec, args.sweep_dir / 'report', metrics)}")
+    except OSError as e:  # (was: a traceback after the table)
+        print(f"molt-report: cannot write {e.filename}: {e.strerror}. Fix: make {args.sweep_dir} writable (the plots "
+              "go to its report/ and report_<metric>.png), or copy it where you can write", file=sys.stderr)
+        return 1
     if args.wandb:
         from molt_hydra.logging import dashboard
 

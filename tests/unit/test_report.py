@@ -245,3 +245,21 @@ def test_a_metric_nothing_near_names_what_was_logged(tmp_path, capsys):
     assert report.main([str(empty), "--metric", "train/reward"]) == 0
     assert "no point logged train/reward (its columns are empty); no point logged any metric yet" in \
            capsys.readouterr().err
+
+
+def test_a_plot_path_or_directory_it_cannot_write_is_told_not_a_traceback(tmp_path, capsys):
+    """Before: matplotlib's FileNotFoundError / ValueError traceback after the table."""
+    run = _run(tmp_path, "run", ROWS)
+    assert report.main([str(run), "--png", str(tmp_path / "missing" / "r.png")]) == 2
+    assert capsys.readouterr().err == (f"molt-report: --png {tmp_path / 'missing' / 'r.png'}: {tmp_path / 'missing'} "
+                                       "is no directory. Fix: a .png path in an existing directory\n")
+    assert report.main([str(run), "--png", str(tmp_path / "r.xyz")]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith(f"molt-report: --png {tmp_path / 'r.xyz'}: no image format ends it (") and ", png, " in err
+    assert report.main([str(run), "--png", str(tmp_path / "r.svg")]) == 0  # another format matplotlib writes
+    assert (tmp_path / "r.svg").read_text().lstrip().startswith("<?xml")
+    other = _run(tmp_path, "other", ROWS)
+    (other / "report").write_text("")  # where the sections' page goes: a file, not a directory
+    assert report.main([str(other)]) == 1
+    assert (f"molt-report: cannot write {other / 'report'}: File exists. Fix: make {other} writable"
+            in capsys.readouterr().err)
