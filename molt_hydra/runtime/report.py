@@ -102,7 +102,9 @@ def load_points(sweep: Path) -> list[Point]:
         for over in sorted(sweep.glob("*/.hydra/overrides.yaml")):
             pdir = over.parent.parent
             hydra_cfg = yaml.safe_load((pdir / ".hydra" / "hydra.yaml").read_text()) or {}
-            num = int(hydra_cfg.get("hydra", {}).get("job", {}).get("num", pdir.name.split("_", 1)[0]))
+            num = hydra_cfg.get("hydra", {}).get("job", {}).get("num", pdir.name.split("_", 1)[0])
+            # '???': a run's directory among others (outputs/<name>/), numbered in order (was: a ValueError traceback)
+            num = int(num) if str(num).isdigit() else max(points, default=-1) + 1
             points[num] = Point(num=num, overrides=list(yaml.safe_load(over.read_text()) or []), dir=pdir,
                                 max_steps=_max_steps(yaml.safe_load((pdir / ".hydra" / "config.yaml").read_text())))
         _add_submissions(sweep, points)

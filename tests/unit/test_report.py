@@ -263,3 +263,21 @@ def test_a_plot_path_or_directory_it_cannot_write_is_told_not_a_traceback(tmp_pa
     assert report.main([str(other)]) == 1
     assert (f"molt-report: cannot write {other / 'report'}: File exists. Fix: make {other} writable"
             in capsys.readouterr().err)
+
+
+def test_a_directory_of_runs_is_tabled_one_row_per_run(tmp_path, capsys):
+    """outputs/<name>/ holds one directory per `molt-run` (Hydra's hydra.job.num is '???' there: no sweep numbered
+    them): each is a row, numbered in the order of their names (their start times). Before: ValueError traceback."""
+    outputs = tmp_path / "outputs" / "default"
+    for name, seed, rows in (("2026-01-01_00-00-00", 1, ROWS), ("2026-01-01_00-05-00", 2, ROWS[:1])):
+        run = _run(outputs, name, rows)
+        (run / ".hydra").mkdir()
+        (run / ".hydra" / "overrides.yaml").write_text(yaml.safe_dump([f"seed={seed}", "train.max_steps=4"]))
+        (run / ".hydra" / "hydra.yaml").write_text("hydra:\n  job:\n    num: ???\n")
+        (run / ".hydra" / "config.yaml").write_text(yaml.safe_dump({"train": {"max_steps": 4}}))
+    assert report.main([str(outputs), "--metric", "train/reward"]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    assert [line.split() for line in lines[2:4]] == [["0", "seed=1", "stopped", "at", "step", "2", "2", "0.5", "0.5",
+                                                      "2"],
+                                                     ["1", "seed=2", "stopped", "at", "step", "1", "1", "0.25", "0.25",
+                                                      "1"]]
