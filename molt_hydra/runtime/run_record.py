@@ -62,8 +62,10 @@ def record_end(directory: str | Path, step: int) -> None:
     """The run ended as it should (its steps or its data done, job=eval's score out), in its run_record.json, which
     each start writes without it (a resume's attempt is told by its own end): molt-report's "completed" for a run whose
     data ran out before train.max_steps, or that has none (was: "stopped at step N", as a crashed run)."""
-    path = Path(directory) / "run_record.json"
-    path.write_text(json.dumps({**json.loads(path.read_text()), ENDED: {"step": step}}, indent=2))
+    path, record = Path(directory) / "run_record.json", {}
+    with suppress(OSError, ValueError):  # (removed or cut short since the start: the end is still recorded)
+        record = json.loads(path.read_text())
+    path.write_text(json.dumps({**record, ENDED: {"step": step}}, indent=2))
 
 
 # Keys whose change between a checkpoint and its resume changes what the run learns from there on, so the resumed run

@@ -195,6 +195,9 @@ def test_a_run_whose_data_ran_out_before_max_steps_is_completed(tmp_path, max_st
     record_end(run, 2)
     assert json.loads((run / "run_record.json").read_text()) == {"job": "rl", "name": "ran_out", "ended": {"step": 2}}
     assert [p.status for p in report.load_points(run)] == ["completed"]
+    (run / "run_record.json").unlink()  # removed since the start: a finished run's end is recorded all the same
+    record_end(run, 2)
+    assert json.loads((run / "run_record.json").read_text()) == {"ended": {"step": 2}}
 
 
 def test_a_sweep_of_finished_failed_and_running_points_tells_each(tmp_path):
