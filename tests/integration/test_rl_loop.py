@@ -290,6 +290,9 @@ def test_eval_job_scores_a_checkpoint(tmp_path):
     assert scores["eval_num_samples"] == 2 * 32
     assert 0.0 <= scores["eval_toy_pass1"] <= scores["eval_toy_pass2"] <= 1.0
     assert not (tmp_path / "checkpoints").exists()  # scoring builds no trainer and saves nothing
+    from molt_hydra.runtime import report  # its one eval row, at step 0: completed (was: "stopped at step 0")
+
+    assert [(p.status, [r["step"] for r in p.rows]) for p in report.load_points(tmp_path)] == [("completed", [0])]
 
 
 def test_embedded_default_visibly_learns(tmp_path):
