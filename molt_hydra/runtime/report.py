@@ -290,6 +290,9 @@ def plot_sections(points: list[Point], spec: dict, out_dir: Path, metrics: list[
     return page
 
 
+WHERE = "Fix: give a run's directory (outputs/<name>/<time>) or a sweep's (multirun/<name>/<time>)"
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="molt-report", description=__doc__.split("\n\n")[0])
     ap.add_argument("sweep_dir", type=Path, help="a multirun directory (multirun/<name>/<time>) or a run directory")
@@ -307,7 +310,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"molt-report: {e}", file=sys.stderr)
         return 2
     if not args.sweep_dir.is_dir():
-        print(f"molt-report: {args.sweep_dir} is not a directory", file=sys.stderr)
+        print(f"molt-report: {args.sweep_dir} is not a directory. {WHERE}", file=sys.stderr)
         return 2
     if args.png is not None:  # told before the table (was: matplotlib's traceback after it)
         from matplotlib.backend_bases import FigureCanvasBase
@@ -321,7 +324,7 @@ def main(argv: list[str] | None = None) -> int:
     points = load_points(args.sweep_dir)
     if not points:
         print(f"molt-report: no sweep points under {args.sweep_dir} "
-              "(no metrics.jsonl, run_record.json, */.hydra/overrides.yaml or .submitit/)", file=sys.stderr)
+              f"(no metrics.jsonl, run_record.json, */.hydra/overrides.yaml or .submitit/). {WHERE}", file=sys.stderr)
         return 2
     _name_unlogged(points, metrics)
     print(render(*table(points, metrics)))

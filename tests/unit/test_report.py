@@ -284,3 +284,15 @@ def test_a_directory_of_runs_is_tabled_one_row_per_run(tmp_path, capsys):
                                                       "2"],
                                                      ["1", "seed=2", "stopped", "at", "step", "1", "1", "0.25", "0.25",
                                                       "1"]]
+
+
+def test_a_path_that_is_no_run_or_sweep_is_told_with_the_fix(tmp_path, capsys):
+    """Before: the reason alone ("... is not a directory", "no sweep points under ..."), what to give untold."""
+    fix = "Fix: give a run's directory (outputs/<name>/<time>) or a sweep's (multirun/<name>/<time>)"
+    (tmp_path / "metrics.jsonl").write_text("")
+    assert report.main([str(tmp_path / "metrics.jsonl")]) == 2
+    assert capsys.readouterr().err == f"molt-report: {tmp_path / 'metrics.jsonl'} is not a directory. {fix}\n"
+    (tmp_path / "empty").mkdir()
+    assert report.main([str(tmp_path / "empty")]) == 2
+    assert capsys.readouterr().err == (f"molt-report: no sweep points under {tmp_path / 'empty'} (no metrics.jsonl, "
+                                       f"run_record.json, */.hydra/overrides.yaml or .submitit/). {fix}\n")
