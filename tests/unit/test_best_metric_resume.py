@@ -9,9 +9,10 @@ import asyncio
 from types import SimpleNamespace as value
 
 from molt_hydra.config.schema import RunConfig
+from molt_hydra.rollout.generation import Sampling
 from molt_hydra.runtime.controller import RLController
 
-TRAINING = value(max_tokens=8)  # the generator's training sampling: an eval without its own cap takes it
+TRAINING = Sampling(max_tokens=8)  # the generator's training sampling: an eval without its own cap takes it
 
 
 def bests(key: str, saved: tuple[str, float], evals: list[dict]) -> list:
