@@ -12,6 +12,7 @@ import importlib.util
 import json
 import math
 import os
+import re
 import subprocess
 from pathlib import Path
 
@@ -826,6 +827,7 @@ def _rl_eval_schedule(cfg: RunConfig, problems: Problems) -> None:
     """An RL run evaluates at its start (eval.at_start) and every eval.every_steps steps, never at its end
     (runtime/controller.py maybe_eval): eval data with neither, or a period past train.max_steps, evaluates nothing."""
     e, last, best = cfg.eval, cfg.train.max_steps, cfg.checkpoint.best_metric_key
+    k = re.search(r"_pass(\d+)$", best)  # pass@k for k = eval.n_samples_per_prompt alone (and pass@1)
     problems.table((
         # the evaluation's own keys (rollout/generator.py evaluate) are eval_*; the sinks log them as eval/eval_*, the
         # name a user copies (was: taken, and no checkpoint was ever kept as the best)
@@ -834,6 +836,11 @@ def _rl_eval_schedule(cfg: RunConfig, problems: Problems) -> None:
          "the logs prefix them with eval/), so no checkpoint would ever be kept as the best.",
          f"set checkpoint.best_metric_key={best.removeprefix('eval/')}" if best.startswith("eval/eval_") else
          "name an eval_... metric (e.g. eval_<datasource>_pass1), or unset it (the first *_pass1)"),
+        # another k is never returned (was: taken, and no checkpoint was ever kept as the best)
+        (cfg.job.value != "rl" or k is None or int(k[1]) in (1, e.n_samples_per_prompt), "checkpoint.best_metric_key",
+         f"{best!r} is never returned: the evaluation returns pass1 and pass<eval.n_samples_per_prompt> alone "
+         f"(eval.n_samples_per_prompt={e.n_samples_per_prompt}), so no checkpoint would ever be kept as the best.",
+         f"set eval.n_samples_per_prompt={k[1] if k else 1}, or name a pass1 or pass{e.n_samples_per_prompt} metric"),
         (cfg.job.value != "rl" or e.every_steps > 0 or e.at_start, "eval.data_path", "no evaluation is scheduled "
          "(eval.every_steps=-1, eval.at_start=false; an RL run does not evaluate at its end), so it changes nothing.",
          "set eval.every_steps=N or eval.at_start=true, or unset eval.data_path"),

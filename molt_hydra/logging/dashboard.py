@@ -121,13 +121,17 @@ def series(rows: list[dict], key: str) -> list[tuple[int, float]]:
 
 
 def final_and_best(rows: list[dict], key: str, mode: str) -> tuple[float | None, float | None, int | None]:
-    """Value at the last step, best value (BEST_BY[mode]: max, min, or absmin, nearest 0, signed), and the step of the
-    best (first one on ties)."""
+    """Value at the last step that logged `key`, NaN / inf as logged (was: the last finite one, so a run whose metric
+    turned NaN at its end read as healthy), best finite value (BEST_BY[mode]: max, min, or absmin, nearest 0,
+    signed), and the step of the best (first one on ties)."""
+    logged = {int(row["step"]): float(row[key]) for row in rows if is_number(row.get(key))}  # a step's later row wins
+    if not logged:
+        return None, None, None
     s = series(rows, key)
     if not s:
-        return None, None, None
+        return logged[max(logged)], None, None
     best_step, best = min(s, key=lambda point: BEST_BY[mode](point[1]))  # the first of equal values
-    return s[-1][1], best, best_step
+    return logged[max(logged)], best, best_step
 
 
 def sections(keys: set[str]) -> list[dict]:

@@ -23,6 +23,7 @@ them across the weight sync.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import json
 import os
 import statistics
@@ -373,11 +374,12 @@ class RLController:
             return
         if e.every_steps > 0:
             self.next_eval = (self.step // e.every_steps + 1) * e.every_steps
-        from molt_hydra.rollout.generation import Sampling
-
-        # eval.max_new_tokens=None: the training's turn cap (was 256 where rollout.max_new_tokens was None too)
-        sampling = Sampling(max_tokens=e.max_new_tokens or self.roles.generator.sampling.max_tokens,
-                            temperature=e.temperature, top_p=e.top_p, seed=request_seed(self.cfg.seed, "eval"))
+        # the training's sampling but for eval.*'s (eval.max_new_tokens=None: the training's turn cap; was 256 where
+        # rollout.max_new_tokens was None too), top_k and min_tokens too (was: -1 and 1 whatever the training's)
+        training = self.roles.generator.sampling
+        sampling = dataclasses.replace(training, max_tokens=e.max_new_tokens or training.max_tokens,
+                                       temperature=e.temperature, top_p=e.top_p,
+                                       seed=request_seed(self.cfg.seed, "eval"))
         t0 = time.perf_counter()
         m = await deadline(self.roles.generator.evaluate(self.roles.eval_rows, e.n_samples_per_prompt, sampling,
                                                           max_inflight=e.batch_size),
@@ -385,6 +387,11 @@ class RLController:
         m["timing/eval"] = time.perf_counter() - t0
         self.log.eval(self.step, m)
         key = self.cfg.checkpoint.best_metric_key or next((k for k in sorted(m) if k.endswith("_pass1")), "")
+        if key not in m and key not in ("", "none"):  # a data source validation cannot see (was: not a word)
+            returned = ", ".join(k for k in m if k.startswith("eval_"))
+            print(f"eval at step {self.step}: checkpoint.best_metric_key={key} is no metric this evaluation returned "
+                  f"({returned}): no checkpoint is kept as the best. Fix: name one of them (a data source whose every "
+                  "rollout failed returns none: eval_dropped_*)", flush=True)
         # (a saved best of another key, checkpoint.best_metric_key changed on a resume, is not this key's to beat)
         if key in m and key != "none" and (self.best is None or self.best[0] != key or m[key] > self.best[1]):
             self.best = (key, m[key])

@@ -29,7 +29,7 @@ from molt_hydra.runtime.agent_runner import OUTPUT
 from molt_hydra.runtime.preemption import PreemptionNotice
 from molt_hydra.runtime.ray_head import EXIT_S, dead_head_within, stopped_head
 from molt_hydra.runtime.run_lock import run_lock, unless_another_run
-from molt_hydra.runtime.run_record import config_as_dict, write_run_record
+from molt_hydra.runtime.run_record import config_as_dict, record_end, write_run_record
 from molt_hydra.runtime.slurm_ray import RayClusterError, ray_cluster
 from molt_hydra.runtime.watchdog import (EXIT_FAILED, EXIT_STALLED, RoleStalled, RunFailed, beside, describe,
                                         descendants, kill, shutdown_ray, stall_report)
@@ -76,6 +76,7 @@ def _run(cfg: RunConfig, notice: PreemptionNotice) -> None:
     record = write_run_record(cfg, cfg.output_dir)
     resume_from, saved = _check_resume(cfg)
     if saved is not None and _nothing_left(cfg, resume_from, saved):
+        record_end(cfg.output_dir, saved.get("rl_step", saved.get("global_step", 0)))
         return
     if cfg.job.value == "sft":
         _run_sft(cfg, resume_from, notice, record)
@@ -802,6 +803,7 @@ async def _train(cfg: RunConfig, roles, opened: list, found: Path | None, notice
     export = (await head_watched(calls.ranks(roles.actor, "export_hf", c.export_dir, DTYPE_NAMES[
         cfg.model.param_dtype.value], merged=c.export_merged)))[0] if c.export_final else None
     ctl.log.progress.summary(_summary(cfg, roles, ctl, export))
+    record_end(cfg.output_dir, ctl.step)
     return 0
 
 
@@ -851,6 +853,7 @@ async def _eval_only(cfg: RunConfig, roles, opened: list) -> int:
     ctl = _controller(cfg, roles, opened, None)
     await ctl.watched(ctl.maybe_eval(force=True))  # (before, unwatched: a stopped engine hung it for eval's step_s)
     print(json.dumps(ctl.last_eval, indent=2))
+    record_end(cfg.output_dir, 0)
     return 0
 
 

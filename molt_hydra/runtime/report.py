@@ -7,29 +7,35 @@ dashboard, `molt_hydra/logging/dashboard.py`) as one PNG per section on one HTML
     molt-report SWEEP --metric train/reward --metric train/vllm_kl:absmin --png reward.png
     molt-report outputs/default/2026-11-29_19-36-30 --wandb
 
-A run directory (one with `metrics.jsonl`) is a sweep of one point. A point is a subdirectory with
-`.hydra/overrides.yaml` (Hydra writes it when the point starts) and/or a submitit submission under
+A run directory (one with `metrics.jsonl` or `run_record.json`) is a sweep of one point. A point is a subdirectory
+with `.hydra/overrides.yaml` (Hydra writes it when the point starts) and/or a submitit submission under
 `SWEEP/.submitit/` (so points still pending in Slurm are listed too). Metrics come from each point's `metrics.jsonl`
-(one JSON object per step, with a `step` key). Status: submitit's result file when there is one (completed / failed:
-<error>), else Slurm's state from `sacct` (pending, running, requeued, cancelled, ...), else the metrics (completed
-when the last step reached train.max_steps).
+(one JSON object per step, with a `step` key); a final value is the last step's as logged (nan too). Status:
+submitit's result file when there is one (completed / failed: <error>), else Slurm's state from `sacct` (pending,
+running, requeued, cancelled, ...), else the run's directory: running (a run holds its lock), completed (the run
+recorded its end in run_record.json), failed: <cause> (its failure.txt), else the metrics (completed when the last
+step reached train.max_steps, else stopped at step N: killed, interrupted or stalled).
 """
 
 from __future__ import annotations
 
 import argparse
 import difflib
+import json
 import pickle
 import re
 import shutil
 import subprocess
 import sys
+from contextlib import suppress
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import yaml
 
 from molt_hydra.logging.dashboard import BEST_BY, final_and_best, read_metrics, series  # noqa: F401 (re-exported)
+from molt_hydra.runtime.run_lock import in_use
+from molt_hydra.runtime.run_record import ENDED
 
 DEFAULT_METRICS = ("train/reward", "train/vllm_kl:absmin")
 
@@ -89,30 +95,54 @@ def _status_from_result(result: tuple) -> str:
 
 def load_points(sweep: Path) -> list[Point]:
     """The sweep's points with their metrics and status; a run directory is one point."""
-    if (sweep / "metrics.jsonl").is_file():  # a single run
+    if any((sweep / name).is_file() for name in RUN_FILES):  # a single run (one that failed at start: no metrics)
         points = {0: Point(num=0, dir=sweep, max_steps=_max_steps(_resolved_config(sweep)))}
     else:
         points = {}
         for over in sorted(sweep.glob("*/.hydra/overrides.yaml")):
             pdir = over.parent.parent
             hydra_cfg = yaml.safe_load((pdir / ".hydra" / "hydra.yaml").read_text()) or {}
-            num = int(hydra_cfg.get("hydra", {}).get("job", {}).get("num", pdir.name.split("_", 1)[0]))
+            num = hydra_cfg.get("hydra", {}).get("job", {}).get("num", pdir.name.split("_", 1)[0])
+            # '???': a run's directory among others (outputs/<name>/), numbered in order (was: a ValueError traceback)
+            num = int(num) if str(num).isdigit() else max(points, default=-1) + 1
             points[num] = Point(num=num, overrides=list(yaml.safe_load(over.read_text()) or []), dir=pdir,
                                 max_steps=_max_steps(yaml.safe_load((pdir / ".hydra" / "config.yaml").read_text())))
         _add_submissions(sweep, points)
     states = _sacct_states([p.job_id for p in points.values() if p.job_id and p.result is None])
     for p in points.values():
         p.rows = read_metrics(p.dir / "metrics.jsonl") if p.dir else []
-        last = int(p.rows[-1]["step"]) if p.rows else None
         if p.result is not None:
             p.status = _status_from_result(p.result)
         elif p.job_id in states:
             p.status = states[p.job_id]
-        elif last is None:
-            p.status = "no metrics"
         else:
-            p.status = "completed" if p.max_steps is not None and last >= p.max_steps else f"stopped at step {last}"
+            p.status = _status_from_dir(p)
     return [points[n] for n in sorted(points)]
+
+
+RUN_FILES = ("metrics.jsonl", "run_record.json")  # what a run writes into its directory (run_record.json first)
+
+
+def _status_from_dir(p: Point) -> str:
+    """A point's status from its directory: running while a run holds its lock; completed where the run recorded its
+    end (its data may end it before train.max_steps); failed with the cause failure.txt starts with, where this
+    attempt wrote it (each start rewrites run_record.json: a resume's failure.txt is newer); else from the metrics.
+    Before, a run in progress, a crashed one and one whose data ran out were each "stopped at step N"."""
+    last = int(p.rows[-1]["step"]) if p.rows else None
+    if p.dir is None:
+        return "no metrics"
+    if in_use("output_dir", p.dir):
+        return "running" if last is None else f"running (step {last})"
+    record, failure = p.dir / "run_record.json", p.dir / "failure.txt"
+    with suppress(OSError, ValueError):
+        if ENDED in json.loads(record.read_text()):
+            return "completed"
+    if failure.is_file() and (not record.is_file() or failure.stat().st_mtime >= record.stat().st_mtime):
+        cause = next(iter(failure.read_text(errors="replace").splitlines()), "").strip()
+        return f"failed: {cause.removeprefix('Run failed: ').rstrip('.') or 'see ' + str(failure)}"
+    if last is None:
+        return "no metrics"
+    return "completed" if p.max_steps is not None and last >= p.max_steps else f"stopped at step {last}"
 
 
 def _max_steps(cfg: dict | None) -> int | None:
@@ -136,13 +166,18 @@ def _parse_metric(spec: str) -> tuple[str, str]:
 
 
 def _name_unlogged(points: list[Point], metrics: list[tuple[str, str]]) -> None:
-    """A metric no point logged (mistyped, or the points have not logged yet) is named, with the nearest logged."""
+    """A metric no point logged (mistyped, or the points have not logged yet) is named, with the nearest logged, else
+    those holding its last part (`pass1`: eval/eval_toy_pass1), else the logged ones (was: "the nearest logged: none",
+    what to ask for untold)."""
     logged = sorted({k for p in points for row in p.rows for k in row if k not in ("step", "kind")})
     for key in dict.fromkeys(key for key, _ in metrics):
-        if key not in logged:
-            near = ", ".join(difflib.get_close_matches(key, logged, n=3)) or "none"
-            print(f"molt-report: no point logged {key} (its columns are empty); the nearest logged: {near}",
-                  file=sys.stderr)
+        if key in logged:
+            continue
+        near = difflib.get_close_matches(key, logged, n=3) or [k for k in logged if key.rsplit("/", 1)[-1] in k][:8]
+        some = f"{', '.join(logged[:12])}{', ...' if len(logged) > 12 else ''}"
+        told = (f"the nearest logged: {', '.join(near)}" if near else
+                f"none is near it; the {len(logged)} logged: {some}" if logged else "no point logged any metric yet")
+        print(f"molt-report: no point logged {key} (its columns are empty); {told}", file=sys.stderr)
 
 
 def table(points: list[Point], metrics: list[tuple[str, str]]) -> tuple[list[str], list[list[str]]]:
@@ -255,6 +290,9 @@ def plot_sections(points: list[Point], spec: dict, out_dir: Path, metrics: list[
     return page
 
 
+WHERE = "Fix: give a run's directory (outputs/<name>/<time>) or a sweep's (multirun/<name>/<time>)"
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="molt-report", description=__doc__.split("\n\n")[0])
     ap.add_argument("sweep_dir", type=Path, help="a multirun directory (multirun/<name>/<time>) or a run directory")
@@ -272,20 +310,34 @@ def main(argv: list[str] | None = None) -> int:
         print(f"molt-report: {e}", file=sys.stderr)
         return 2
     if not args.sweep_dir.is_dir():
-        print(f"molt-report: {args.sweep_dir} is not a directory", file=sys.stderr)
+        print(f"molt-report: {args.sweep_dir} is not a directory. {WHERE}", file=sys.stderr)
         return 2
+    if args.png is not None:  # told before the table (was: matplotlib's traceback after it)
+        from matplotlib.backend_bases import FigureCanvasBase
+
+        kinds = sorted(FigureCanvasBase.get_supported_filetypes())
+        why = (f"{args.png.parent} is no directory" if not args.png.parent.is_dir() else None if
+               args.png.suffix.lstrip(".").lower() in kinds else f"no image format ends it ({', '.join(kinds)})")
+        if why:
+            print(f"molt-report: --png {args.png}: {why}. Fix: a .png path in an existing directory", file=sys.stderr)
+            return 2
     points = load_points(args.sweep_dir)
     if not points:
         print(f"molt-report: no sweep points under {args.sweep_dir} "
-              "(no metrics.jsonl, */.hydra/overrides.yaml or .submitit/)", file=sys.stderr)
+              f"(no metrics.jsonl, run_record.json, */.hydra/overrides.yaml or .submitit/). {WHERE}", file=sys.stderr)
         return 2
     _name_unlogged(points, metrics)
     print(render(*table(points, metrics)))
     key = metrics[0][0]
     png = args.png or args.sweep_dir / f"report_{key.replace('/', '_')}.png"
-    print(f"\nplot of {key}: {plot(points, key, png)}")
     spec = dashboard_spec(args.sweep_dir, points)
-    print(f"dashboard sections: {plot_sections(points, spec, args.sweep_dir / 'report', metrics)}")
+    try:
+        print(f"\nplot of {key}: {plot(points, key, png)}")
+        print(f"dashboard sections: {plot_sections(points, spec, args.sweep_dir / 'report', metrics)}")
+    except OSError as e:  # (was: a traceback after the table)
+        print(f"molt-report: cannot write {e.filename}: {e.strerror}. Fix: make {args.sweep_dir} writable (the plots "
+              "go to its report/ and report_<metric>.png), or copy it where you can write", file=sys.stderr)
+        return 1
     if args.wandb:
         from molt_hydra.logging import dashboard
 

@@ -55,6 +55,19 @@ def write_run_record(cfg, directory: str | Path) -> dict:
     return {**record, "config": config_as_dict(cfg)}  # (every checkpoint's copy: what a resume compares against)
 
 
+ENDED = "ended"  # run_record.json's key once the run ended as it should: {"step": its last step}
+
+
+def record_end(directory: str | Path, step: int) -> None:
+    """The run ended as it should (its steps or its data done, job=eval's score out), in its run_record.json, which
+    each start writes without it (a resume's attempt is told by its own end): molt-report's "completed" for a run whose
+    data ran out before train.max_steps, or that has none (was: "stopped at step N", as a crashed run)."""
+    path, record = Path(directory) / "run_record.json", {}
+    with suppress(OSError, ValueError):  # (removed or cut short since the start: the end is still recorded)
+        record = json.loads(path.read_text())
+    path.write_text(json.dumps({**record, ENDED: {"step": step}}, indent=2))
+
+
 # Keys whose change between a checkpoint and its resume changes what the run learns from there on, so the resumed run
 # is not the one that was saved (a key by name, a group by its "name."); every other changed key goes on, named.
 CHANGES_THE_MATH = ("seed", "model.path", "model.ref_path", "model.critic_path", "model.param_dtype", "model.lora.",

@@ -201,6 +201,15 @@ CASES = [
     ("best_key_as_logged", ["eval.data_path=builtin://toy_eval", "eval.every_steps=1",
                             "checkpoint.best_metric_key=eval/eval_toy_pass1"], "checkpoint.best_metric_key",
      "'eval/eval_toy_pass1' is no metric the evaluation returns"),
+    # before, accepted: the evaluation returns pass@k for k = eval.n_samples_per_prompt (and pass@1) alone, so no
+    # checkpoint was ever kept as the best (rollout/generator.py evaluate: 1 sample a prompt, the default, no pass4)
+    ("best_key_pass_k_past_n", ["eval.data_path=builtin://toy_eval", "eval.every_steps=1",
+                                "checkpoint.best_metric_key=eval_toy_pass4"], "checkpoint.best_metric_key",
+     "'eval_toy_pass4' is never returned: the evaluation returns pass1 and pass<eval.n_samples_per_prompt> alone "
+     "(eval.n_samples_per_prompt=1)"),
+    ("best_key_pass_k_other_n", ["eval.data_path=builtin://toy_eval", "eval.every_steps=1",
+                                 "eval.n_samples_per_prompt=8", "checkpoint.best_metric_key=eval_toy_pass4"],
+     "checkpoint.best_metric_key", "(eval.n_samples_per_prompt=8)"),
     # before, accepted: without partial rollout the pool starts only the groups its batch still needs, so at most
     # rollout.batch_size=8 ran at once (rollout/generator.py `_refill`)
     ("inflight_past_the_batch", ["rollout.max_inflight_groups=16"], "rollout.max_inflight_groups",
@@ -227,6 +236,9 @@ ACCEPTED = [
     ["algorithm=on_policy_distill", "parallelism.colocate_models=true", "model.ref_path=tiny://qwen3_tiny"],
     ["eval.data_path=builtin://toy", "eval.every_steps=10", "eval.temperature=0.5", "eval.n_samples_per_prompt=4",
      "checkpoint.best_metric_key=eval_default_pass1"],
+    ["eval.data_path=builtin://toy", "eval.at_start=true", "eval.n_samples_per_prompt=4",
+     "checkpoint.best_metric_key=eval_default_pass4"],
+    ["eval.data_path=builtin://toy", "eval.at_start=true", "checkpoint.best_metric_key=eval_toy_pass1"],
     ["eval.data_path=builtin://toy", "eval.at_start=true"],
     ["eval.data_path=builtin://toy", "eval.every_steps=30"],  # = train.max_steps: evaluated once, at the end
     [f"data.max_len={POSITIONS}"],

@@ -270,6 +270,18 @@ def test_stalled_engine_ends_the_run_with_stacks_and_names_it(tmp_path):
     assert not leftovers, f"processes left behind: {leftovers}"
 
 
+@pytest.mark.slow  # (make test's budget) the report's reading: tests/unit/test_report.py in make test
+def test_a_run_whose_prompts_ran_out_before_max_steps_reports_completed(tmp_path):
+    """8 prompts, 4 a step: the data ends the run after 2 of train.max_steps=4. It records its end, so molt-report says
+    completed; before: "stopped at step 2", as a crashed or killed run."""
+    from molt_hydra.runtime import report
+
+    proc = molt_run(tmp_path, "train.max_steps=4", "data.max_samples=8", "checkpoint.save_steps=0")
+    assert "steps: 2 of train.max_steps=4" in proc.stdout + proc.stderr
+    assert json.loads((tmp_path / "run_record.json").read_text())["ended"] == {"step": 2}
+    assert [(p.status, p.rows[-1]["step"]) for p in report.load_points(tmp_path)] == [("completed", 2)]
+
+
 def test_eval_job_scores_a_checkpoint(tmp_path):
     small = [o for o in SMALL if o.split(".")[0] not in ("train", "checkpoint") and "n_samples" not in o]
     proc = molt_run(tmp_path, "job=eval", "eval.data_path=builtin://toy_eval", "eval.n_samples_per_prompt=2",
@@ -278,6 +290,9 @@ def test_eval_job_scores_a_checkpoint(tmp_path):
     assert scores["eval_num_samples"] == 2 * 32
     assert 0.0 <= scores["eval_toy_pass1"] <= scores["eval_toy_pass2"] <= 1.0
     assert not (tmp_path / "checkpoints").exists()  # scoring builds no trainer and saves nothing
+    from molt_hydra.runtime import report  # its one eval row, at step 0: completed (was: "stopped at step 0")
+
+    assert [(p.status, [r["step"] for r in p.rows]) for p in report.load_points(tmp_path)] == [("completed", [0])]
 
 
 def test_embedded_default_visibly_learns(tmp_path):

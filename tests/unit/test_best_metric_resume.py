@@ -9,9 +9,10 @@ import asyncio
 from types import SimpleNamespace as value
 
 from molt_hydra.config.schema import RunConfig
+from molt_hydra.rollout.generation import Sampling
 from molt_hydra.runtime.controller import RLController
 
-TRAINING = value(max_tokens=8)  # the generator's training sampling: an eval without its own cap takes it
+TRAINING = Sampling(max_tokens=8)  # the generator's training sampling: an eval without its own cap takes it
 
 
 def bests(key: str, saved: tuple[str, float], evals: list[dict]) -> list:
@@ -45,3 +46,16 @@ def test_an_unchanged_key_goes_on_from_the_saved_best():
     evals = [{"eval/x_pass1": v} for v in (0.4, 0.7, 0.5)]
     assert bests("eval/x_pass1", ("eval/x_pass1", 0.6), evals) == [
         ("eval/x_pass1", 0.6), ("eval/x_pass1", 0.7), ("eval/x_pass1", 0.7)]
+
+
+def test_a_best_metric_key_the_evaluation_did_not_return_is_told_naming_what_it_returned(capsys):
+    """A data source named unlike the data's (eval_gsm8K_pass1 for gsm8k), which validation cannot see (the eval data
+    is read at the run's start): each eval says no best was kept and what it returned. Before: not a word, and no
+    checkpoint was ever kept as the best."""
+    evals = [{"eval_gsm8k_pass1": v, "eval_num_samples": 4.0} for v in (0.5, 0.7, 0.6)]
+    assert bests("eval_gsm8K_pass1", None, evals) == [None, None, None]
+    out = capsys.readouterr().out
+    told = ("eval at step {}: checkpoint.best_metric_key=eval_gsm8K_pass1 is no metric this evaluation returned "
+            "(eval_gsm8k_pass1, eval_num_samples): no checkpoint is kept as the best. Fix: name one of them (a data "
+            "source whose every rollout failed returns none: eval_dropped_*)")
+    assert [out.count(told.format(step)) for step in (3, 4, 5)] == [1, 1, 1]

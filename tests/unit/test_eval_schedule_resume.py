@@ -14,8 +14,9 @@ import pytest
 
 from molt_hydra.config.schema import RunConfig
 from molt_hydra.runtime.controller import RLController
+from molt_hydra.rollout.generation import Sampling
 
-TRAINING = value(max_tokens=8)  # the generator's training sampling: an eval without its own cap takes it
+TRAINING = Sampling(max_tokens=8)  # the generator's training sampling: an eval without its own cap takes it
 
 
 def evaluated_steps(every_steps: int, step: int, saved_next_eval: int | None, until: int) -> list[int]:

@@ -43,3 +43,30 @@ def test_eval_without_a_cap_samples_under_the_trainings():
     training, evaluation = recorder.caps
     assert training == 1024 // 2  # rollout.max_new_tokens=null: half of data.max_len a turn (its schema doc)
     assert evaluation == training
+
+
+class SamplingRecorder(CapRecorder):
+    """Records each group's whole sampling."""
+
+    async def run_group(self, row, n, sampling):
+        result = await super().run_group(row, n, sampling)
+        self.caps[-1] = sampling
+        return result
+
+
+def test_eval_samples_with_the_trainings_top_k_and_min_tokens():
+    """eval.* sets the cap, temperature and top_p (each None = the rollout's); everything else is the training's
+    sampling. Before: top_k -1 (every token) and min_tokens 1 (EOS masked on the first token) in every evaluation,
+    whatever rollout.top_k=20 and the training's min_tokens 0: the policy scored was not the one sampled in training."""
+    overrides = ["rollout.top_k=20", "eval.data_path=builtin://toy_eval", "eval.at_start=true",
+                 "eval.temperature=0.5"]
+    cfg = validated(compose_config(overrides), overrides)
+    generator = _generator(cfg, [{"prompt": "p"}], [])
+    generator.runner = recorder = SamplingRecorder()
+    ctl = RLController(cfg, value(calls=None, eval_rows=[{"prompt": "q"}], actor=None, generator=generator),
+                       value(eval=lambda step, metrics: None))
+    asyncio.run(generator.generate_batch())
+    asyncio.run(ctl.maybe_eval(force=True))
+    training, evaluation = recorder.caps
+    assert (training.top_k, training.min_tokens, training.temperature) == (20, 0, cfg.rollout.temperature)
+    assert (evaluation.top_k, evaluation.min_tokens, evaluation.temperature) == (20, 0, 0.5)

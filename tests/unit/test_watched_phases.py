@@ -21,8 +21,9 @@ from molt_hydra.models import build
 from molt_hydra.runtime import entrypoint, ray_head, roles, watchdog
 from molt_hydra.runtime.controller import RLController
 from molt_hydra.runtime.watchdog import RoleStalled, RunFailed
+from molt_hydra.rollout.generation import Sampling
 
-TRAINING = value(max_tokens=8)  # the generator's training sampling: an eval without its own cap takes it
+TRAINING = Sampling(max_tokens=8)  # the generator's training sampling: an eval without its own cap takes it
 
 
 async def _forever(*args, **kwargs):
