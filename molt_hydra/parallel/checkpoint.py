@@ -450,7 +450,12 @@ def _write_hf(out: Path, sd: dict, model_config, dtype: torch.dtype, tokenizer_p
     tmp = out.with_name(f".tmp-{out.name}")
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir(parents=True)
-    save_torch_state_dict({k: v.to(dtype).contiguous() for k, v in sd.items()}, tmp, max_shard_size="5GB")
+    tensors = {k: v.to(dtype).contiguous() for k, v in sd.items()}
+    # an MoE expert given back per expert (moe_routing.checkpoint_expert_tensors) is a view of the fused tensor where
+    # the cast copies nothing (exported in the dtype it is held in): its own copy, as safetensors refuses to write part
+    # of a storage (was: the export failed, 'None is covering the entire storage', at the end of the run)
+    save_torch_state_dict({k: t if t.untyped_storage().nbytes() == t.nbytes else t.clone() for k, t in tensors.items()},
+                          tmp, max_shard_size="5GB")
     config.dtype = dtype
     config.use_cache = True
     config.save_pretrained(tmp)
