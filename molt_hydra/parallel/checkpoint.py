@@ -413,7 +413,7 @@ def export_hf(out_dir: str | os.PathLike, model, *, tokenizer_path: str | None =
     adapter: a LoRA spec (models/lora.py): the adapter in PEFT's format instead, and with `merged` the base with the
     adapter merged in (W + alpha / rank * B @ A) as a full HF model under out_dir/merged."""
     sd = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
-    if to_hf is not None and adapter is None:
+    if to_hf is not None:  # (a LoRA run's too: its merged model's experts; an adapter's names pass unchanged)
         sd = dict(pair for name, t in sd.items() for pair in to_hf(name, t))
     out = Path(out_dir).resolve()  # a link (to another disk): its target is replaced, the link stays
     tmp = out.with_name(f".tmp-{out.name}")

@@ -5,7 +5,8 @@ transformers 5's fused names without a word, leaving its experts unloaded), and 
 computes as the model exported.
 Before: exported in the dtype the weights are held in (float32: model=qwen3_moe_tiny's, so +recipe=tiny_moe_cpu; bf16
 under model.master_weights=optimizer), the per-expert views of the fused tensors reached safetensors, which refused them
-('None is covering the entire storage'): the final export failed after the run had trained."""
+('None is covering the entire storage'): the final export failed after the run had trained. And a LoRA run's merged
+export (checkpoint.export_merged, the attention adapted) kept the fused names."""
 
 from __future__ import annotations
 
@@ -15,10 +16,12 @@ from pathlib import Path
 import pytest
 import torch
 
+from molt_hydra.models import lora
 from molt_hydra.models.build import resolve_path
 from molt_hydra.models.moe_routing import checkpoint_expert_tensors
 from molt_hydra.parallel.checkpoint import export_hf
 
+SPEC = dict(rank=4, alpha=8.0, dropout=0.0, init="default", target_modules=list(lora.ATTENTION))
 IDS = torch.arange(3, 40).unsqueeze(0)
 
 
@@ -62,3 +65,17 @@ def test_an_moe_exports_per_expert_tensors_in_the_dtype_it_is_held_in(tmp_path, 
     if dtype == torch.float32:  # (bf16: the rotary buffers of the cast model differ from a reload's)
         with torch.no_grad():
             assert torch.equal(_logits_of(tmp_path), model(IDS).logits)
+
+
+def test_a_merged_lora_export_of_an_moe_has_per_expert_tensors_and_computes_as_the_adapted_model(tmp_path):
+    torch.manual_seed(0)
+    model = lora.add_adapter(_model(), SPEC)
+    with torch.no_grad():  # a trained adapter: B != 0, so the merge changes the attention weights
+        for name, p in model.named_parameters():
+            if ".lora_B." in name:
+                p.normal_(0, 0.05)
+    export_hf(tmp_path, model, dtype=torch.float32, to_hf=checkpoint_expert_tensors, adapter=SPEC, merged=True)
+    assert _names(tmp_path / "merged") == _checkpoint_names()
+    with torch.no_grad():
+        want = model(IDS).logits
+    assert (_logits_of(tmp_path / "merged") - want).abs().max().item() < 1e-4
