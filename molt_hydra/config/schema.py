@@ -567,7 +567,8 @@ class CheckpointConfig:
     export_final: bool = True
     "Export the final consolidated HF model (safetensors + tokenizer + config)."
     export_dir: str = "${output_dir}/hf_final"
-    "Where the final HF export goes (LoRA: the adapter in PEFT's format)."
+    ("Where the final HF export goes (LoRA: the adapter in PEFT's format); replaced whole, so a new or empty "
+     "directory, or an earlier export.")
     export_merged: bool = False
     "LoRA: also export the base with the adapter merged in, as a full HF model under <export_dir>/merged."
     max_num: int = ranged(3)

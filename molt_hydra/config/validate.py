@@ -747,6 +747,31 @@ def checkpoint_dir_rules(cfg: RunConfig, problems: Problems, needs: frozenset[st
     ))
 
 
+EXPORT_FILES = ("config.json", "adapter_config.json")  # an earlier export's (parallel/checkpoint.py export_hf)
+
+
+def export_dir_rules(cfg: RunConfig, problems: Problems, needs: frozenset[str]) -> None:
+    """The final export replaces checkpoint.export_dir whole (parallel/checkpoint.py `_replace_dir`). Before, one that
+    was or held output_dir, checkpoint.dir or train.rollout_dump_dir took the run's checkpoints, metrics and dumps with
+    it at the run's end, and a directory of other files (~/models) lost them, all without a word."""
+    c = cfg.checkpoint
+    if not (c.export_final and cfg.job.value == "rl"):  # (job=sft exports to <output_dir>/hf; eval exports nothing)
+        return
+    export = Path(c.export_dir).resolve()
+    fix = "set checkpoint.export_dir to a new directory of its own (default <output_dir>/hf_final)"
+    held = [f"{key} ({str(path)[:120]!r})" for key in ("output_dir", "checkpoint.dir", "train.rollout_dump_dir")
+            if (path := get(cfg, key)) and Path(path).resolve().is_relative_to(export)]
+    problems.check(not held, "checkpoint.export_dir", f"{str(export)[:120]!r} is or holds {', '.join(held)}, and the "
+                   "final export replaces it whole: their files (checkpoints, metrics) would go with it.", fix)
+    try:  # (where it is or holds a run directory, that line alone)
+        found = sorted(p.name for p in export.iterdir()) if export.is_dir() and not held else []
+    except OSError:  # (unreadable, or a name too long: the writability check tells it)
+        found = []
+    problems.check(not found or any(name in found for name in EXPORT_FILES), "checkpoint.export_dir",
+                   f"{str(export)[:120]!r} holds files that are no HF export ({found[:3]}), and the final export "
+                   "replaces it whole: they would go with it.", f"{fix}, or move its files out")
+
+
 def logger_and_checkpoint_rules(cfg: RunConfig, problems: Problems, needs: frozenset[str]) -> None:
     """Switches whose tuning knobs are set while they are off, and what a job has no use for."""
     c, log = cfg.checkpoint, cfg.logger
@@ -974,4 +999,4 @@ def placement_rules(cfg: RunConfig, problems: Problems, needs: frozenset[str]) -
 # Every rule of this layer, in the order its messages appear; runtime/validate.py adds the higher layers' rules.
 RULES = (algorithm_rules, optimizer_rules, train_rules, replay_rules, rollout_rules, engine_size_rules, backend_rules,
          hf_path_rules, model_rules, parallelism_rules, colocation_rules, checkpoint_dir_rules,
-         logger_and_checkpoint_rules, eval_rules, schedule_rules, job_rules, placement_rules)
+         export_dir_rules, logger_and_checkpoint_rules, eval_rules, schedule_rules, job_rules, placement_rules)

@@ -67,14 +67,22 @@ def add_adapter(model: nn.Module, spec: dict) -> nn.Module:
     adapter adds to the logits only (the embedding stays the base's, as in vLLM's LoRA logits layer)."""
     from peft import inject_adapter_in_model
 
-    try:
-        with warnings.catch_warnings():  # PEFT's tied-lm_head warning is about merging, which `merged_state` unties
-            warnings.filterwarnings("ignore", message=".*tie_word_embeddings.*")
-            model = inject_adapter_in_model(peft_config(spec), model, adapter_name=ADAPTER)
-    except ValueError as e:  # PEFT: "Target modules {...} not found in the base model"
+    # PEFT matches a target by its name's last parts and skips one matching nothing where another matches (before: a
+    # misspelt name in a family config/ cannot check, e.g. [q_proj,v_prj], trained q_proj alone, without a word)
+    targets, names = list(spec["target_modules"]), [n for n, _ in model.named_modules()]
+    unmatched = [t for t in targets if not any(n == t or n.endswith(f".{t}") for n in names)]
+    why = f"{unmatched} match no module of {type(model).__name__}" if unmatched else None
+    if why is None:
+        try:
+            with warnings.catch_warnings():  # PEFT's tied-lm_head warning is about merging, which `merged_state` unties
+                warnings.filterwarnings("ignore", message=".*tie_word_embeddings.*")
+                model = inject_adapter_in_model(peft_config(spec), model, adapter_name=ADAPTER)
+        except ValueError as e:  # PEFT's: a target of a kind its LoRA layers do not wrap
+            why = str(e)
+    if why is not None:
         linears = sorted({n.rsplit(".", 1)[-1] for n, m in model.named_modules() if isinstance(m, nn.Linear)})
-        raise ValueError(f"model.lora.target_modules={list(spec['target_modules'])}: {e}; this model's linear "
-                         f"modules are {linears}") from None
+        raise ValueError(f"model.lora.target_modules={targets}: {why}; this model's linear modules are {linears}. "
+                         "Fix: set model.lora.target_modules to names from those")
     for name, p in model.named_parameters():
         p.requires_grad_(is_adapter_param(name))
     return model

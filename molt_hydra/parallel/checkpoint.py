@@ -405,15 +405,16 @@ def _restore_rng(path: Path, extra: dict, seed: int) -> None:
         torch.cuda.set_rng_state(state["cuda"])
 
 
-def export_hf(out_dir: str | os.PathLike, model, *, tokenizer_path: str | None = None,
+def export_hf(out_dir: str | os.PathLike, model, *, tokenizer_path: str | None = None, base_path: str | None = None,
               dtype: torch.dtype = torch.bfloat16, to_hf=None, adapter: dict | None = None,
               merged: bool = False) -> Path | None:
     """Collective. Rank 0 writes safetensors + config (+ tokenizer) to out_dir via a temp dir; returns out_dir there.
     to_hf: (name, tensor) -> [(hf_name, tensor), ...] for models whose own names are not the checkpoint's.
-    adapter: a LoRA spec (models/lora.py): the adapter in PEFT's format instead, and with `merged` the base with the
-    adapter merged in (W + alpha / rank * B @ A) as a full HF model under out_dir/merged."""
+    adapter: a LoRA spec (models/lora.py): the adapter in PEFT's format instead (its config naming `base_path`, else
+    `tokenizer_path`, as its base), and with `merged` the base with the adapter merged in (W + alpha / rank * B @ A)
+    as a full HF model under out_dir/merged."""
     sd = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
-    if to_hf is not None and adapter is None:
+    if to_hf is not None:  # (a LoRA run's too: its merged model's experts; an adapter's names pass unchanged)
         sd = dict(pair for name, t in sd.items() for pair in to_hf(name, t))
     out = Path(out_dir).resolve()  # a link (to another disk): its target is replaced, the link stays
     tmp = out.with_name(f".tmp-{out.name}")
@@ -424,7 +425,7 @@ def export_hf(out_dir: str | os.PathLike, model, *, tokenizer_path: str | None =
             return
         shutil.rmtree(tmp, ignore_errors=True)  # through a temp dir beside `out`, the merged model under merged/
         tensors = {lora.peft_name(n): t.to(dtype) for n, t in sd.items() if lora.is_adapter_param(n)}
-        lora.save_adapter(tmp, tensors, adapter, tokenizer_path)
+        lora.save_adapter(tmp, tensors, adapter, base_path or tokenizer_path)
         _save_tokenizer(tokenizer_path, tmp)
         if merged:
             config = copy.deepcopy(model.config)
@@ -450,7 +451,12 @@ def _write_hf(out: Path, sd: dict, model_config, dtype: torch.dtype, tokenizer_p
     tmp = out.with_name(f".tmp-{out.name}")
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir(parents=True)
-    save_torch_state_dict({k: v.to(dtype).contiguous() for k, v in sd.items()}, tmp, max_shard_size="5GB")
+    tensors = {k: v.to(dtype).contiguous() for k, v in sd.items()}
+    # an MoE expert given back per expert (moe_routing.checkpoint_expert_tensors) is a view of the fused tensor where
+    # the cast copies nothing (exported in the dtype it is held in): its own copy, as safetensors refuses to write part
+    # of a storage (was: the export failed, 'None is covering the entire storage', at the end of the run)
+    save_torch_state_dict({k: t if t.untyped_storage().nbytes() == t.nbytes else t.clone() for k, t in tensors.items()},
+                          tmp, max_shard_size="5GB")
     config.dtype = dtype
     config.use_cache = True
     config.save_pretrained(tmp)

@@ -579,8 +579,10 @@ class TrainerWorker:
         `merged` (checkpoint.export_merged) the base with the adapter merged in, a full HF model in out_dir/merged."""
         if self.role == "critic":
             raise ValueError("export_hf exports causal LMs; the critic has no lm_head")
-        out = ckpt.export_hf(out_dir, self.model, tokenizer_path=self.model_path, dtype=DTYPES[dtype],
-                             to_hf=self._to_hf(), adapter=self.lora, merged=merged)
+        # the tokenizer the run's token ids are of (model.tokenizer_path): was model.path's, another vocabulary's
+        tokenizer = resolve_path(self.spec.tokenizer_path) if self.spec.tokenizer_path else self.model_path
+        out = ckpt.export_hf(out_dir, self.model, tokenizer_path=tokenizer, base_path=self.model_path,
+                             dtype=DTYPES[dtype], to_hf=self._to_hf(), adapter=self.lora, merged=merged)
         return str(out) if out else None
 
     def shutdown(self):

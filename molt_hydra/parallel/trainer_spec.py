@@ -12,6 +12,7 @@ from dataclasses import dataclass
 class TrainerSpec:
     model_path: str
     role: str = "actor"  # actor | ref | critic
+    tokenizer_path: str | None = None  # model.tokenizer_path: the tokenizer an export carries (None: model_path's)
     # where this rank runs: its rank, the rendezvous, the CPUs Ray reserved for it (CPU ranks) and its node's ranks
     rank: int = 0
     world_size: int = 1

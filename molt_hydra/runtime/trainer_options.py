@@ -33,6 +33,7 @@ def trainer_options(cfg: RunConfig, o: OptimizerConfig) -> dict:
         lr_warmup_ratio=o.warmup_ratio, min_lr_ratio=o.min_lr_ratio, max_norm=o.max_grad_norm,
         # the model backend's
         backend=m.backend.value, lora=lora, packing=p.packing, share_prompts=p.share_prompts,
+        tokenizer_path=m.tokenizer_path,  # (the export's)
         compile_blocks=m.compile_blocks, master_weights=m.master_weights.value, aux_loss_coef=m.aux_loss_coef,
         gradient_checkpointing=m.gradient_checkpointing.value, gate_precision=m.gate_precision,
         moe_experts_impl=m.moe_experts_impl.value, freeze_moe_router=m.freeze_moe_router,

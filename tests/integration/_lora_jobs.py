@@ -108,3 +108,10 @@ def dropout_logprobs(rank, world_size, port, out):
     if rank == 0:
         torch.save({"first": list(first), "second": list(second), "plain": list(plain), "training": training}, out)
     w.shutdown()
+
+
+def export_with_tokenizer(rank, world_size, port, export_dir, tokenizer_path):
+    """model.tokenizer_path set: the LoRA export (merged too) of an untrained adapter."""
+    w = lora_worker(rank, world_size, port, tokenizer_path=tokenizer_path)
+    w.export_hf(export_dir, dtype="fp32", merged=True)
+    w.shutdown()

@@ -176,3 +176,22 @@ def test_lora_dropout_stays_out_of_the_log_prob_recomputes(tmp_path):
     assert d["training"] is True
     for a, b, plain in zip(d["first"], d["second"], d["plain"]):
         assert torch.equal(a, b) and torch.equal(a, plain)
+
+
+def test_the_export_carries_the_runs_tokenizer_and_names_model_path_as_its_base(tmp_path):
+    """model.tokenizer_path (here the tiny tokenizer with one token more): the export's tokenizer is that one, the
+    vocabulary the run's token ids are of, in the adapter's directory and the merged model's; adapter_config.json
+    names model.path as the base. Before: both carried model.path's tokenizer."""
+    import json
+
+    from transformers import AutoTokenizer
+
+    base = resolve_model_path("tiny://qwen3_tiny")
+    tokenizer = AutoTokenizer.from_pretrained(base)
+    assert "<molt_probe>" not in tokenizer.get_vocab()
+    tokenizer.add_tokens(["<molt_probe>"])
+    tokenizer.save_pretrained(tmp_path / "tok")
+    run_ranks(jobs.export_with_tokenizer, 1, str(tmp_path / "export"), str(tmp_path / "tok"), timeout_s=300)
+    for d in (tmp_path / "export", tmp_path / "export" / "merged"):
+        assert AutoTokenizer.from_pretrained(d).get_vocab()["<molt_probe>"] == len(tokenizer) - 1
+    assert json.loads((tmp_path / "export" / "adapter_config.json").read_text())["base_model_name_or_path"] == base
