@@ -58,30 +58,35 @@ def refuse_if_held(dirs: dict[str, str]) -> None:
         except OSError:  # none: no run ever held it (or none this user may read: `run_lock` says so)
             continue
         try:
-            _refuse_if_held(fd, key, path)
+            _refuse_if_held(fd, key, path, fcntl.LOCK_SH)
         finally:
             os.close(fd)
 
 
+# A look at a lock opened read-only takes it shared: it conflicts with a run's exclusive one as well, where an NFS
+# client (flock emulated as a byte-range lock) refuses an exclusive lock of a file not opened for writing (EBADF)
 def in_use(key: str, path: str | os.PathLike) -> bool:
-    """Whether another run holds the lock of `path` (set by `key`); none is held after."""
+    """Whether another run holds the lock of `path` (set by `key`); none is held after. False where the file system
+    takes no lock at all (Lustre without flock: ENOSYS): unknown, as an unlocked run's."""
     try:
         fd = os.open(lock_file(key, path), os.O_RDONLY)
     except OSError:  # none: no run ever held it
         return False
     try:
-        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
         return False
     except BlockingIOError:
         return True
+    except OSError:
+        return False
     finally:
         os.close(fd)
 
 
-def _refuse_if_held(fd: int, key: str, path: str) -> None:
-    """Locks `fd`, or prints that another run holds it, naming it, and exits non-zero."""
+def _refuse_if_held(fd: int, key: str, path: str, how: int = fcntl.LOCK_EX) -> None:
+    """Locks `fd` (`how`), or prints that another run holds it, naming it, and exits non-zero."""
     try:
-        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        fcntl.flock(fd, how | fcntl.LOCK_NB)
     except BlockingIOError:
         holder = os.pread(fd, 200, 0).decode(errors="replace").strip() or "another process"
         print(f"\nRun not started: {key}={path} is in use by another run ({holder}). Fix: wait for that run "
@@ -117,7 +122,7 @@ def unless_another_run(key: str, directory: str | os.PathLike) -> Iterator[bool]
         yield True
         return
     try:
-        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)  # (held shared, a run's exclusive lock waits: none starts)
         free = True
     except BlockingIOError:  # (a lock of this process's is refused too: another open file)
         free = os.pread(fd, 200, 0).decode(errors="replace").strip() == _holder()

@@ -173,3 +173,35 @@ def test_a_checkpoint_dir_in_a_directory_its_user_cannot_write_keeps_its_lock_in
         with pytest.raises(SystemExit), run_lock({"output_dir": str(tmp_path / "b"), "checkpoint.dir": str(ckpt)}):
             pass
     assert capsys.readouterr().err.strip().startswith(f"Run not started: checkpoint.dir={ckpt} is in use")
+
+
+def test_a_look_at_a_lock_works_where_an_exclusive_lock_needs_a_file_open_for_writing(tmp_path, monkeypatch, capsys):
+    """An NFS client emulates flock as a byte-range lock, and refuses an exclusive one on a file opened read-only
+    (EBADF, flock(2)): a stand-in flock that does so, as NFS cannot run here. molt-report's look (`in_use`), the check
+    before Hydra writes (`refuse_if_held`) and `unless_another_run` open the lock read-only: each still tells a held
+    lock (was: the EBADF traceback, e.g. out of molt-report on every run of an NFS home)."""
+    import errno
+    import fcntl
+
+    from molt_hydra.runtime import run_lock as lock_module
+
+    real = fcntl.flock
+
+    def nfs_flock(fd, how):
+        if how & fcntl.LOCK_EX and os.fcntl(fd, fcntl.F_GETFL) & os.O_ACCMODE == os.O_RDONLY:
+            raise OSError(errno.EBADF, "Bad file descriptor")
+        return real(fd, how)
+
+    holder = _holder(tmp_path / "out")
+    monkeypatch.setattr(lock_module.fcntl, "flock", nfs_flock)
+    try:
+        assert lock_module.in_use("output_dir", tmp_path / "out") is True
+        with lock_module.unless_another_run("output_dir", tmp_path / "out") as free:
+            assert free is False
+        with pytest.raises(SystemExit) as e:
+            lock_module.refuse_if_held({"output_dir": str(tmp_path / "out")})
+        assert e.value.code == EXIT_FAILED and "is in use by another run" in capsys.readouterr().err
+    finally:
+        holder.kill()
+        holder.wait()
+    assert lock_module.in_use("output_dir", tmp_path / "out") is False
