@@ -66,6 +66,14 @@ class FusedLogprobHead:
         return torch.stack([lp, ent], -1) if self.call[3] else lp[..., None]  # [3]: with entropy
 
 
+def _nonfinite(debug: dict) -> str:
+    """The parameters logger.debug_grad_norms found non-finite before clipping, for the failure's message (the step's
+    metrics, where they would go, are never logged)."""
+    names = [k.split("/", 1)[1] for k, v in debug.items() if "_grad_norm/" in k and not math.isfinite(v)]
+    count = next(int(v) for k, v in debug.items() if k.endswith("_grad_nonfinite_params"))
+    return f" ({count} parameter(s) with non-finite gradients before clipping, e.g. {names})"
+
+
 class TrainerWorker:
     def __init__(self, spec: TrainerSpec):
         self.spec, self.rank, self.world_size, self.role = spec, spec.rank, spec.world_size, spec.role
@@ -410,9 +418,9 @@ class TrainerWorker:
             if not torch.isfinite(gn):  # (every rank: the norm is reduced) was: the update wrote NaN into every weight
                 raise FloatingPointError(
                     f"the gradient norm is {float(gn)} at optimizer step {self.global_step + 1}: a NaN or inf in the "
-                    "loss or its gradients; the weights were not updated (the last checkpoint is kept). Fix: lower "
-                    "train.optimizer.lr; logger.debug_grad_norms=true names the parameters whose gradients are not "
-                    "finite")
+                    f"loss or its gradients{_nonfinite(debug) if self.spec.debug_grad_norms else ''}; this step was "
+                    "not applied (the last checkpoint is kept). Fix: lower train.optimizer.lr, or look for an inf in "
+                    "the rewards or a custom loss; logger.debug_grad_norms=true names the parameters in this message")
             self.optimizer.step()
             self.scheduler.step()
             self.optimizer.zero_grad(set_to_none=True)

@@ -245,10 +245,11 @@ def compiled_steps(rank, world_size, port, out, compile_blocks, checkpointing=Fa
     w.shutdown()
 
 
-def nonfinite_step(rank, world_size, port, out):
+def nonfinite_step(rank, world_size, port, out, debug=None):
     """A NaN in the forward (one embedding row): the step's gradient norm is NaN. The step raises, naming it, before
-    the optimizer writes it into the weights: the final norm's weight and the optimizer's step count stay."""
-    w = worker(rank, world_size, port)
+    the optimizer writes it into the weights: the final norm's weight and the optimizer's step count stay. `debug`:
+    logger.debug_grad_norms' (patterns, top k)."""
+    w = worker(rank, world_size, port, debug_grad_norms=debug)
     samples = with_old_logprobs(w, make_samples(4))
     emb, norm = w.model.get_input_embeddings().weight, dict(w.model.named_parameters())["model.norm.weight"]
 

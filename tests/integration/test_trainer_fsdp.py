@@ -268,6 +268,10 @@ def test_a_non_finite_gradient_norm_stops_the_step_before_the_weights(tmp_path):
     run_ranks(jobs.nonfinite_step, 1, tmp_path / "n.pt", timeout_s=180)
     got = torch.load(tmp_path / "n.pt")
     assert got["error"] is not None and got["error"].startswith(
-        "the gradient norm is nan at optimizer step 1: a NaN or inf in the loss or its gradients; the weights were "
-        "not updated (the last checkpoint is kept)."), got
+        "the gradient norm is nan at optimizer step 1: a NaN or inf in the loss or its gradients; this step was not "
+        "applied (the last checkpoint is kept). Fix: "), got
     assert got["global_step"] == 0 and got["norm_same"]
+    # with logger.debug_grad_norms, the message names the parameters (the step's metrics are never logged)
+    run_ranks(jobs.nonfinite_step, 1, tmp_path / "d.pt", ((), 2), timeout_s=180)
+    error = torch.load(tmp_path / "d.pt")["error"]
+    assert "parameter(s) with non-finite gradients before clipping, e.g. ['" in error, error
