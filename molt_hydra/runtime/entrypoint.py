@@ -487,7 +487,7 @@ def _run_sft(cfg: RunConfig, resume_from: Path | None, notice: PreemptionNotice,
     from molt_hydra.runtime.sft_job import run_sft_job
 
     try:
-        run_sft_job(cfg, resume_from, notice, record)
+        history = run_sft_job(cfg, resume_from, notice, record)
     except KeyboardInterrupt:
         if not notice.received.is_set():
             raise  # Ctrl-C / SIGTERM: _stoppable's exit 130
@@ -505,6 +505,8 @@ def _run_sft(cfg: RunConfig, resume_from: Path | None, notice: PreemptionNotice,
         sys.exit(EXIT_FAILED)
     if notice.stopped:  # (not when the notice came after the last step: the run ended anyway)
         notice.handover()
+    else:  # molt-report's "completed", as an RL run's
+        record_end(cfg.output_dir, max((h.get("global_step", 0) for h in history), default=0))
 
 
 def _run_to_end(coro, notice: PreemptionNotice) -> int:

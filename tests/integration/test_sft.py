@@ -78,3 +78,23 @@ def test_sft_metrics_keep_the_debug_grad_norms_nonfinite_count(tmp_path):
     doc = Path(__file__).resolve().parents[2] / "docs" / "metrics.md"
     documented = set(re.findall(r"`([^`]+)`", doc.read_text()))
     assert {k.split("/")[0] + "/<param name>" if "/" in k else k for k in rec} <= documented
+
+
+def test_a_finished_sft_run_records_its_end_for_molt_report(tmp_path):
+    """molt-report tells a finished run by the end its run_record.json records (an RL run's and job=eval's did;
+    job=sft's did not, so a finished SFT run read as one that stopped)."""
+    import os
+    import subprocess
+    import sys
+
+    data = tmp_path / "chats.jsonl"
+    data.write_text((json.dumps({"messages": [{"role": "user", "content": "1+1?"},
+                                              {"role": "assistant", "content": "2"}]}) + "\n") * 8)
+    out = tmp_path / "run"
+    proc = subprocess.run([str(Path(sys.executable).with_name("molt-run")), "job=sft", f"data.train_path={data}",
+                           "data.input_key=messages", "train.batch_size=8", "train.micro_batch_size=4",
+                           "train.epochs=1", f"hydra.run.dir={out}"], capture_output=True, text=True, timeout=300,
+                          env={**os.environ, "HF_HUB_OFFLINE": "1"})
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    steps = [json.loads(line)["global_step"] for line in open(out / "sft_metrics.jsonl") if '"sft_loss"' in line]
+    assert json.loads((out / "run_record.json").read_text())["ended"] == {"step": max(steps)} and max(steps) == 1
