@@ -759,10 +759,13 @@ def export_dir_rules(cfg: RunConfig, problems: Problems, needs: frozenset[str]) 
         return
     export = Path(c.export_dir).resolve()
     fix = "set checkpoint.export_dir to a new directory of its own (default <output_dir>/hf_final)"
-    held = [f"{key} ({str(path)[:120]!r})" for key in ("output_dir", "checkpoint.dir", "train.rollout_dump_dir")
-            if (path := get(cfg, key)) and Path(path).resolve().is_relative_to(export)]
+    models = ("model.path", "model.tokenizer_path", "model.ref_path", "model.critic_path")  # (a local directory's)
+    runs = ("output_dir", "checkpoint.dir", "train.rollout_dump_dir")
+    held = [f"{key} ({str(path)[:120]!r})" for key in (*runs, *models)
+            if (path := get(cfg, key)) and (key not in models or os.path.isdir(os.path.expanduser(path)))
+            and Path(os.path.expanduser(path)).resolve().is_relative_to(export)]
     problems.check(not held, "checkpoint.export_dir", f"{str(export)[:120]!r} is or holds {', '.join(held)}, and the "
-                   "final export replaces it whole: their files (checkpoints, metrics) would go with it.", fix)
+                   "final export replaces it whole: their files (checkpoints, metrics, a model) would go with it.", fix)
     try:  # (where it is or holds a run directory, that line alone)
         found = sorted(p.name for p in export.iterdir()) if export.is_dir() and not held else []
     except OSError:  # (unreadable, or a name too long: the writability check tells it)

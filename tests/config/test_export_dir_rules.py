@@ -5,6 +5,8 @@ user's other files), without a word. The last test shows the replacement itself 
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 import torch
 
@@ -33,6 +35,20 @@ def test_an_export_dir_that_is_or_holds_a_run_directory_is_refused(tmp_path, exp
     assert f"is or holds {held} (" in lines[0] and "the final export replaces it whole" in lines[0]
     assert lines[0].endswith("Fix: set checkpoint.export_dir to a new directory of its own (default "
                              "<output_dir>/hf_final)")
+
+
+def test_an_export_dir_that_is_the_runs_own_model_directory_is_refused(tmp_path):
+    """model.path's directory holds config.json, so it read as an earlier export: the run's end replaced its base model
+    (with LoRA, by an adapter alone). A hub id or a tiny:// model is no directory here, and stays out of it."""
+    from molt_hydra.models.build import resolve_path
+
+    base = tmp_path / "base"
+    base.mkdir()
+    for f in Path(resolve_path("tiny://qwen3_tiny")).iterdir():
+        (base / f.name).write_bytes(f.read_bytes())
+    lines = _export_lines(tmp_path, f"model.path={base}", f"{KEY}={base}")
+    assert len(lines) == 1 and f"is or holds model.path ('{base}')" in lines[0], lines
+    assert _export_lines(tmp_path, "model.path=tiny://qwen3_tiny", f"{KEY}={tmp_path}/hf") == []
 
 
 def test_an_export_dir_holding_other_files_is_refused_and_an_earlier_export_or_an_empty_one_is_not(tmp_path):
