@@ -396,11 +396,10 @@ def load_prompts(spec: str, *, split: str = "train", config_name: str | None = N
         rows = usable_template_rows(rows, s, template_fits) if template_fits is not None else rows
         rows = usable_image_rows(rows, s, image_key or "images", max_images_per_prompt, blank_images,
                                  fits=image_fits)
+        if prompt_tokens is not None:  # the rows of it the run reads (not a hub dataset's millions past max_samples)
+            count_long_prompts(rows[:max_samples] if max_samples else rows, s, prompt_tokens, *lengths, image_fits)
         parts.append(rows)
-    out = combined(parts, max_samples, probs, seed)
-    if prompt_tokens is not None:  # (the rows the run reads: a hub dataset's millions under data.max_samples, not)
-        count_long_prompts(out, spec, prompt_tokens, *lengths, image_fits)
-    return out
+    return combined(parts, max_samples, probs, seed)
 
 
 def combined(parts: list, max_samples: int | None, probs: list[float] | None, seed: int) -> list:

@@ -753,6 +753,18 @@ def test_the_long_prompt_count_takes_the_rows_the_run_reads_and_their_images_roo
     seen.clear()
     assert len(load_prompts(str(path), max_samples=2, prompt_tokens=lengths_of, lengths=(96, 32))) == 2
     assert seen == [64, 64]  # the two rows read, not the file's five
+    # interleaved datasets (data.train_probs) repeat the shorter's rows: each row is counted once, in its own dataset
+    short, other = tmp_path / "short.jsonl", tmp_path / "other.jsonl"
+    short.write_text("".join(json.dumps({"prompt": p, "label": "1"}) + "\n" for p in ("LONG", "x")))
+    other.write_text("".join(json.dumps({"prompt": p, "label": "1"}) + "\n" for p in "abcdef"))
+    caplog.clear()
+    with caplog.at_level(logging.WARNING, logger="molt_hydra.data.prompts"):
+        load_prompts(f"{other},{short}", probs=[0.5, 0.5], lengths=(96, 32),
+                     prompt_tokens=lambda items: [100 if p == "LONG" else 1 for p, _, _ in items])
+    (record,) = caplog.records
+    assert record.getMessage().startswith(f"data: 1 of 2 rows of {short} have prompts over the 64 tokens "), \
+        record.getMessage()
+    assert "row ids [0])" in record.getMessage()
 
 
 @pytest.mark.parametrize("part", [{"type": "image", "image": "/data/x.png"},
