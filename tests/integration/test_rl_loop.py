@@ -64,6 +64,8 @@ def generated_versions(out: Path, step: int) -> list[int]:
     return versions
 
 
+@pytest.mark.slow  # (make test's budget) make test: test_faults.py's killed-engine run checks each sync-mode step's
+# tokens come from exactly its version, and the colocated run vllm_kl after each sync
 def test_sync_mode_trains_only_tokens_of_the_current_policy(tmp_path):
     molt_run(tmp_path, "train.mode=sync", "train.max_steps=4", "logger.dump_trajectories=true")
     m = metrics(tmp_path)
