@@ -17,7 +17,9 @@ loaders did (copy_ is deterministic: the same bits). Fills are replayed too: a c
 discards its weights' memory, padding rows included. On CUDA the copies are captured once in a CUDA graph, so a
 sync is one graph launch instead of the Python loader loop (same-dtype copies become memcpy nodes), spread over a few
 streams when no two destinations overlap (the order of disjoint copies cannot change a bit); on CPU they run one by
-one, in order. The plan holds while the engine's parameter addresses are those it was recorded against (the worker
+one, in order. Disjoint copies are also merged before a replay (`merged`): a MoE's per-expert copies, 3 per expert
+and layer, become one per layer and projection, and a pair of transposed views (AutoModel's experts) goes through a
+tiled kernel (transposed_copy.py) instead of torch's strided reads. The plan holds while the engine's parameter addresses are those it was recorded against (the worker
 checks before each replay); the worker drops it with the trainer views it reads (a new token).
 
 The recorder is torch's dispatch mode (compat/torch.py). What is proven where: on the GPU stand-in of vLLM's model
@@ -37,6 +39,9 @@ import contextlib
 import torch
 
 from molt_hydra.compat.torch import dispatch_mode, is_view_op
+from molt_hydra.weight_sync.transposed_copy import is_transposed, transposed_copy
+
+CANDIDATE_STEPS = 8  # how many next copies `merged` tries as the second of a run
 
 
 def _storage(t: torch.Tensor) -> int:
@@ -88,6 +93,52 @@ def disjoint(views: list[torch.Tensor]) -> bool:
     return all(end <= start for (_, end), (start, _) in zip(spans, spans[1:]))
 
 
+def merged(copies: list[tuple[torch.Tensor, torch.Tensor, bool]]) -> list[tuple[torch.Tensor, torch.Tensor, bool]]:
+    """The copies as fewer, larger ones, for destinations proven disjoint (their order is then free): copies of one
+    shape and layout between the same two storages whose two addresses advance by constant steps (a MoE's
+    per-expert copies: one projection of expert 0, 1, 2 ...) become one copy of views with one more dimension, the
+    steps its strides. Each merged view holds exactly its copies' elements, so the same bytes are written from the
+    same bytes; 3,072 copies of a 128-expert, 8-layer MoE become 24."""
+    groups: dict[tuple, dict[int, tuple]] = {}
+    for copy in copies:
+        dst, src, non_blocking = copy
+        key = (_storage(dst), _storage(src), dst.dtype, src.dtype, dst.shape, dst.stride(), src.stride(), non_blocking)
+        groups.setdefault(key if dst.numel() else (id(copy),), {})[dst.data_ptr()] = copy
+    out = []
+    for group in groups.values():
+        free = dict(sorted(group.items()))
+        while free:
+            first, *after = list(free.values())[:CANDIDATE_STEPS + 1]
+            run = max((_progression(first, second, free) for second in after), key=len, default=[first])
+            for dst, _, _ in run:
+                del free[dst.data_ptr()]
+            out.append(run[0] if len(run) == 1 else _stacked(run))
+    return out
+
+
+def _progression(first: tuple, second: tuple, free: dict[int, tuple]) -> list[tuple]:
+    """`first`, `second` and the copies after them in `free` whose destination and source both go on by the steps
+    from `first` to `second` (a step that is not a positive whole number of elements: `first` alone)."""
+    steps = [b.data_ptr() - a.data_ptr() for a, b in zip(first[:2], second[:2])]
+    if any(step <= 0 or step % t.element_size() for step, t in zip(steps, first[:2])):
+        return [first]
+    run = [first]
+    while (nxt := free.get(first[0].data_ptr() + len(run) * steps[0])) is not None and \
+            nxt[1].data_ptr() == first[1].data_ptr() + len(run) * steps[1]:
+        run.append(nxt)
+    return run
+
+
+def _stacked(run: list[tuple]) -> tuple[torch.Tensor, torch.Tensor, bool]:
+    """A run of `_progression` as one copy: each side's first view with a leading dimension of the run's length."""
+    def stack(first: torch.Tensor, second: torch.Tensor) -> torch.Tensor:
+        step = (second.data_ptr() - first.data_ptr()) // first.element_size()
+        return first.as_strided((len(run), *first.shape), (step, *first.stride()), first.storage_offset())
+
+    (dst0, src0, non_blocking), (dst1, src1, _) = run[0], run[1]
+    return stack(dst0, dst1), stack(src0, src1), non_blocking
+
+
 class CopyPlan:
     """The copies a recorded load made, in order, as (destination view, source view); `names`: what was loaded;
     `addresses`: where the engine's parameters were at the recording (the plan holds while they stay there)."""
@@ -103,11 +154,14 @@ class CopyPlan:
         # copies into disjoint destinations may run in any order: spread over a few streams in the graph, so the many
         # small ones (norms) and each copy's launch gap hide behind the large ones; else one stream, recorded order
         self.streams = self.BRANCHES if disjoint([dst for dst, _, _ in copies]) else 1
+        self.replayed = merged(copies) if self.streams > 1 else copies  # what a replay runs
         self.graph = None  # CUDA: captured on the first replay
 
     def replay(self) -> None:
         if self.copies and self.copies[0][0].is_cuda:
-            self.graph = self.graph or self._capture()
+            if self.graph is None:
+                self._run([None])  # once outside the graph: the tiled kernel compiles before the capture
+                self.graph = self._capture()
             self.graph.replay()
         else:
             self._run([None])  # CPU: one by one, in order
@@ -120,10 +174,13 @@ class CopyPlan:
                 dst.fill_(value)
             for branch in branches[1:]:
                 branch.wait_stream(branches[0])
-            for i, (dst, src, non_blocking) in enumerate(self.copies):
-                branch = branches[i % len(branches)]  # None: no CUDA call at all (a CPU worker on a GPU host)
+            for i, (dst, src, non_blocking) in enumerate(self.replayed):
+                branch = branches[i % len(branches)]  # None: no stream of its own (on a CPU worker, no CUDA call)
                 with torch.cuda.stream(branch) if branch is not None else contextlib.nullcontext():
-                    dst.copy_(src, non_blocking=non_blocking)
+                    if is_transposed(dst, src):  # AutoModel's experts: torch's copy reads them strided
+                        transposed_copy(dst, src)
+                    else:
+                        dst.copy_(src, non_blocking=non_blocking)
 
     def _capture(self):
         """One CUDA graph of every copy (no allocation: copies between existing tensors). The capture records the

@@ -214,3 +214,67 @@ def test_copies_into_overlapping_destinations_keep_their_recorded_order():
     expected[0:4], expected[2:4], expected[4:6], expected[1:3] = w["q.weight"], w["k.weight"], w["v.weight"], \
         w["k.weight"]
     assert torch.equal(engine.qkv, expected.to(torch.bfloat16))
+
+
+class ExpertsEngine(nn.Module):
+    """vLLM's fused-MoE layout, w13 [E, 2I, H] (each expert's gate rows, then its up rows) and w2 [E, H, I], loaded
+    expert by expert and projection by projection as vLLM's FusedMoE loader does (narrow, then `copy_`)."""
+
+    E, I, H = 5, 3, 4
+
+    def __init__(self):
+        super().__init__()
+        self.register_buffer("w13", torch.zeros(self.E, 2 * self.I, self.H, dtype=torch.bfloat16))
+        self.register_buffer("w2", torch.zeros(self.E, self.H, self.I, dtype=torch.bfloat16))
+
+    def load(self, per_expert):
+        with torch.no_grad():
+            for (e, projection), t in per_expert:
+                if projection == "down":
+                    self.w2[e].copy_(t)
+                else:
+                    self.w13[e].narrow(0, 0 if projection == "gate" else self.I, self.I).copy_(t)
+
+
+def test_a_moe_loads_per_expert_copies_replay_as_one_copy_per_projection_bit_equal():
+    """AutoModel keeps experts transposed ([E, H, 2I] and [E, I, H]) and pushes each expert's projection as a view;
+    vLLM's loader writes it into its own expert: E x 3 recorded copies, replayed as 3 (gate, up, down)."""
+    E, I, H = ExpertsEngine.E, ExpertsEngine.I, ExpertsEngine.H
+    g = torch.Generator().manual_seed(1)
+    gate_and_up, down = torch.randn(E, H, 2 * I, generator=g), torch.randn(E, I, H, generator=g)
+    per_expert = [((e, p), view) for e in range(E) for p, view in
+                  [("gate", gate_and_up[e, :, :I].T), ("up", gate_and_up[e, :, I:].T), ("down", down[e].T)]]
+    engine = ExpertsEngine()
+    weights = [("gate_and_up", gate_and_up), ("down", down)]
+    plan = record_copy_plan(lambda: engine.load(per_expert), weights, [engine.w13, engine.w2], ())
+    assert len(plan.copies) == 3 * E and len(plan.replayed) == 3
+    assert sorted(tuple(dst.shape) for dst, _, _ in plan.replayed) == sorted([(E, I, H), (E, I, H), (E, H, I)])
+
+    with torch.no_grad():  # the optimizer's step, in place
+        gate_and_up.mul_(-2).add_(0.5)
+        down.mul_(3)
+    engine.w13.fill_(float("nan"))
+    engine.w2.fill_(float("nan"))
+    plan.replay()
+    assert torch.equal(engine.w13, gate_and_up.transpose(1, 2).to(torch.bfloat16))  # [E, 2I, H]: gate rows, up rows
+    assert torch.equal(engine.w2, down.transpose(1, 2).to(torch.bfloat16))
+
+
+def test_only_copies_at_constant_steps_in_both_tensors_merge():
+    """transformers-5 experts ([E, 2I, H], rows in vLLM's order) merge into one copy per fused tensor; copies whose
+    sources do not advance with their destinations stay apart."""
+    E, I, H = ExpertsEngine.E, ExpertsEngine.I, ExpertsEngine.H
+    gate_up, down = torch.randn(E, 2 * I, H), torch.randn(E, H, I)
+    per_expert = [((e, p), view) for e in range(E) for p, view in
+                  [("gate", gate_up[e, :I]), ("up", gate_up[e, I:]), ("down", down[e])]]
+    engine = ExpertsEngine()
+    plan = record_copy_plan(lambda: engine.load(per_expert), [("gate_up", gate_up), ("down", down)],
+                            [engine.w13, engine.w2], ())
+    assert [tuple(dst.shape) for dst, _, _ in plan.replayed] == [(2 * E, I, H), (E, H, I)]  # gate, up interleaved
+
+    reversed_experts = [((e, "down"), down[E - 1 - e]) for e in range(E)]  # sources step back: a view cannot
+    plan = record_copy_plan(lambda: engine.load(reversed_experts), [("down", down)], [engine.w2], ())
+    assert len(plan.replayed) == E
+    down.add_(1)
+    plan.replay()
+    assert torch.equal(engine.w2, down.flip(0).to(torch.bfloat16))
