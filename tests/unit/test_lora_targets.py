@@ -36,3 +36,15 @@ def test_names_as_peft_matches_them_adapt_those_modules():
     adapted = sorted({n.split(".lora_")[0].split("layers.")[1] for n, p in model.named_parameters() if p.requires_grad})
     layers = model.config.num_hidden_layers
     assert adapted == sorted(f"{i}.{m}" for i in range(layers) for m in ("self_attn.q_proj", "mlp.down_proj"))
+
+
+def test_a_target_naming_a_non_linear_module_is_refused():
+    """PEFT wraps an Embedding too (lora_embedding_A / _B, other names and layout than a Linear's lora_A / lora_B).
+    Before: its adapter stayed frozen (trained nothing), and the export's merge failed at the run's end
+    (KeyError '...embed_tokens.lora_A.default.weight'); the config checks names only for the families it knows."""
+    with pytest.raises(ValueError) as e:
+        _adapt(["embed_tokens", "q_proj"])
+    assert str(e.value) == ("model.lora.target_modules=['embed_tokens', 'q_proj']: ['embed_tokens'] name ['Embedding'] "
+                            "modules; an adapter is trained, synced and merged here for linear ones (nn.Linear) "
+                            f"alone; this model's linear modules are {LINEARS}. Fix: set model.lora.target_modules "
+                            "to names from those")
