@@ -41,6 +41,14 @@ def resolve_targets(model_type: str | None, target_modules: list[str] | None) ->
     return list(family[0]) if family else None
 
 
+def engine_targets(targets: list[str]) -> list[str]:
+    """The trainer's targets as vLLM's LoRA filter matches them (a module's last name part, or its whole name), where
+    PEFT matches any suffix of parts: `mlp.down_proj` -> `down_proj`. A module vLLM wraps beyond the adapter's has no
+    weights in it, so serves the base (as the trainer's). Before: a target of several parts, which the trainer adapts,
+    wrapped nothing in the engines, which then served those modules without the adapter, without a word."""
+    return sorted({t.rsplit(".", 1)[-1] for t in targets})
+
+
 def is_adapter_param(name: str) -> bool:
     return ".lora_A." in name or ".lora_B." in name
 
