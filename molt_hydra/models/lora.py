@@ -41,6 +41,14 @@ def resolve_targets(model_type: str | None, target_modules: list[str] | None) ->
     return list(family[0]) if family else None
 
 
+def engine_targets(targets: list[str]) -> list[str]:
+    """The trainer's targets as vLLM's LoRA filter matches them (a module's last name part, or its whole name), where
+    PEFT matches any suffix of parts: `mlp.down_proj` -> `down_proj`. A module vLLM wraps beyond the adapter's has no
+    weights in it, so serves the base (as the trainer's). Before: a target of several parts, which the trainer adapts,
+    wrapped nothing in the engines, which then served those modules without the adapter, without a word."""
+    return sorted({t.rsplit(".", 1)[-1] for t in targets})
+
+
 def is_adapter_param(name: str) -> bool:
     return ".lora_A." in name or ".lora_B." in name
 
@@ -69,9 +77,17 @@ def add_adapter(model: nn.Module, spec: dict) -> nn.Module:
 
     # PEFT matches a target by its name's last parts and skips one matching nothing where another matches (before: a
     # misspelt name in a family config/ cannot check, e.g. [q_proj,v_prj], trained q_proj alone, without a word)
-    targets, names = list(spec["target_modules"]), [n for n, _ in model.named_modules()]
-    unmatched = [t for t in targets if not any(n == t or n.endswith(f".{t}") for n in names)]
-    why = f"{unmatched} match no module of {type(model).__name__}" if unmatched else None
+    targets, modules = list(spec["target_modules"]), dict(model.named_modules())
+    matched = {t: [m for n, m in modules.items() if n == t or n.endswith(f".{t}")] for t in targets}
+    unmatched = [t for t in targets if not matched[t]]
+    # PEFT wraps an Embedding (or a GPT-2 Conv1D) too, but with tensors of other names and layouts than lora_A /
+    # lora_B of a Linear, which the freeze, sync and merge here take (before: an embed_tokens adapter stayed frozen,
+    # trained nothing without a word, and the export's merge failed at the run's end on its missing lora_A)
+    other = [t for t in targets if any(not isinstance(m, nn.Linear) for m in matched[t])]
+    kinds = sorted({type(m).__name__ for t in other for m in matched[t] if not isinstance(m, nn.Linear)})
+    why = (f"{unmatched} match no module of {type(model).__name__}" if unmatched else
+           f"{other} name {kinds} modules; an adapter is trained, synced and merged here for linear ones (nn.Linear) "
+           "alone" if other else None)
     if why is None:
         try:
             with warnings.catch_warnings():  # PEFT's tied-lm_head warning is about merging, which `merged_state` unties

@@ -130,6 +130,14 @@ def _model_location(problems: Problems, key: str, location: str | None) -> None:
                        "<output_dir>/hf_final, <checkpoint.dir>/best or <checkpoint.dir>/hf/step_N; an SFT run's "
                        "<output_dir>/hf); for job=sft to start from this checkpoint's weights, unset it, "
                        f"{WEIGHTS_ALONE} and checkpoint.resume=must")
+    elif model_dir and (path / "adapter_config.json").is_file() and not (path / "config.json").is_file():
+        # a LoRA run's export (was: told only it is no HF model directory, with the fix to name one)
+        merged = path / "merged"
+        problems.check(False, key, f"{location!r} is a LoRA adapter (adapter_config.json, PEFT's format), not an HF "
+                       "model directory: the trainer and vLLM load a full model from it.", f"set {key} to "
+                       + (f"{merged}, its merged model" if (merged / "config.json").is_file() else "the base with the "
+                          "adapter merged in (a LoRA run's <checkpoint.export_dir>/merged, written with "
+                          "checkpoint.export_merged=true)"))
     elif model_dir:
         problems.check((path / "config.json").is_file(), key, f"{location!r} holds no "
                        "config.json, so it is no HF model directory (the trainer and vLLM load the model from it).",

@@ -460,17 +460,40 @@ def _write_hf(out: Path, sd: dict, model_config, dtype: torch.dtype, tokenizer_p
     config.dtype = dtype
     config.use_cache = True
     config.save_pretrained(tmp)
-    if _save_tokenizer(tokenizer_path, tmp):
+    if (local := _save_tokenizer(tokenizer_path, tmp)) is not None:
         for name in ("preprocessor_config.json", "processor_config.json"):  # a VLM's (image) processor
-            if (Path(tokenizer_path) / name).is_file():
-                shutil.copy(Path(tokenizer_path) / name, tmp)
+            if (local / name).is_file():
+                shutil.copy(local / name, tmp)
     _replace_dir(tmp, out)
 
 
-def _save_tokenizer(tokenizer_path: str | None, out: Path) -> bool:
-    """The model's tokenizer beside its weights, when its directory has one."""
-    if tokenizer_path is None or not any(Path(tokenizer_path).glob("tokenizer*")):
-        return False
+def _save_tokenizer(tokenizer_path: str | None, out: Path) -> Path | None:
+    """The model's tokenizer beside its weights, when its directory has one; returns that directory. A hub id's
+    (model.tokenizer_path=org/name, which the run's tokenizer loads from the HF cache): its snapshot there. Before:
+    only a local directory's was exported, a hub id's tokenizer left out without a word."""
+    local = _local_dir(tokenizer_path) if tokenizer_path is not None else None
+    if local is None and tokenizer_path is not None:  # (a host whose HF cache lacks it: said, the export goes on)
+        log.warning("HF export: its tokenizer %s is neither a directory nor in this host's HF cache, so the export "
+                    "carries none (save it beside the weights: AutoTokenizer.from_pretrained(%r).save_pretrained("
+                    "<export dir>))", tokenizer_path, tokenizer_path)
+    if local is None or not any(local.glob("tokenizer*")):
+        return None
     from transformers import AutoTokenizer
-    AutoTokenizer.from_pretrained(tokenizer_path).save_pretrained(out)
-    return True
+    AutoTokenizer.from_pretrained(local).save_pretrained(out)
+    return local
+
+
+def _local_dir(path: str) -> Path | None:
+    """`path` as a local directory: itself, or a hub id's snapshot in the HF cache (None where neither: a name never
+    downloaded on this host, or no name at all)."""
+    if Path(path).is_dir():
+        return Path(path)
+    from huggingface_hub import try_to_load_from_cache
+
+    for name in ("tokenizer_config.json", "tokenizer.json", "config.json"):
+        try:
+            if isinstance(found := try_to_load_from_cache(path, name), str):
+                return Path(found).parent
+        except ValueError:  # (not a hub id: HFValidationError)
+            return None
+    return None

@@ -24,7 +24,7 @@ from typing import Any
 
 from molt_hydra.compat import python as python_compat
 from molt_hydra.compat import vllm as vllm_compat
-from molt_hydra.models.lora import ADAPTER_SLOTS, ADAPTERS_KEPT, resolve_targets
+from molt_hydra.models.lora import ADAPTER_SLOTS, ADAPTERS_KEPT, engine_targets, resolve_targets
 from molt_hydra.rollout.batched_calls import BatchedCallee
 from molt_hydra.rollout.generation import Generation, GenerationRequest, Sampling
 # imported where used: vLLM (heavy: the class is shipped to a Ray actor first)
@@ -105,7 +105,8 @@ class VLLMEngine(BatchedCallee):
                                                 trust_remote_code=kwargs.get("trust_remote_code", False))
             targets = resolve_targets(config.model_type, self.lora_target_modules)
             kwargs.update(enable_lora=True, max_lora_rank=vllm_compat.lora_rank_slot(self.lora_rank),
-                          max_loras=ADAPTER_SLOTS, max_cpu_loras=ADAPTERS_KEPT, lora_target_modules=targets)
+                          max_loras=ADAPTER_SLOTS, max_cpu_loras=ADAPTERS_KEPT,
+                          lora_target_modules=engine_targets(targets) if targets else targets)
         device = vllm_compat.platform_device()
         on_cpu = device == "cpu"
         self.vllm_version = vllm_compat.check_installed("cpu" if on_cpu else "cuda")

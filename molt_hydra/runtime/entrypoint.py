@@ -252,6 +252,7 @@ def _refuse_changed_config(cfg: RunConfig, found: Path, state: dict) -> None:
     train.epochs is its length) is refused, naming both values and the fix; any other (a longer train.max_steps,
     logging, timeouts) goes on, named in one line, with what a longer run does to a decaying LR schedule."""
     from molt_hydra.config.job_ignores import ignored_by
+    from molt_hydra.runtime.resume_lora import adapter_change, as_trained
     from molt_hydra.runtime.run_record import ABSENT, CHANGES_THE_MATH, config_changes
 
     if cfg.job.value == "sft":  # its batch size first, in words of its own (any checkpoint's: older ones too)
@@ -260,7 +261,9 @@ def _refuse_changed_config(cfg: RunConfig, found: Path, state: dict) -> None:
         print(f"Resuming {found}, saved before checkpoints recorded their config: keys changed since are not checked",
               file=sys.stderr)
         return
-    sft, t, changed = cfg.job.value == "sft", cfg.train, config_changes(saved, config_as_dict(cfg))
+    # model.lora as trained on both sides: a default spelled out (alpha 2 x rank, the family's targets) is no change
+    sft, t, now = cfg.job.value == "sft", cfg.train, config_as_dict(cfg)
+    changed = config_changes(as_trained(saved), as_trained(now))
     step = state.get("global_step" if sft else "rl_step", 0)
     # (a key molt_hydra added or removed since the save is named, not refused: no value of it can be set back)
     # (a key the job never reads changes nothing it learns: job=sft keeps a recipe's rollout.* as they are, and its
@@ -279,9 +282,10 @@ def _refuse_changed_config(cfg: RunConfig, found: Path, state: dict) -> None:
     if not sft and (episode := state["loop"]["generator"]["epoch"]) >= t.num_episodes:
         refused.append(f"train.num_episodes={t.num_episodes}, but it is in episode {episode + 1} already: no prompt "
                        f"is left (set it above {episode})")
-    if refused:
+    if refused:  # (another adapter, or none, on either side: a warm start cannot load its weights either)
+        other = (change := adapter_change(now, saved)) and change[1]
         print(f"\nRun failed: {found} cannot be resumed as saved: " + "; ".join(refused) + ". Fix: set them back "
-              f"(see its run_record.json), or {WARM_START}",
+              f"(see its run_record.json), or {other or WARM_START}",
               file=sys.stderr)
         sys.exit(EXIT_FAILED)
     if changed:
@@ -421,31 +425,19 @@ def _refuse_a_warm_start_across_lora(cfg: RunConfig, found: Path, state: dict) -
     adapter (rank, targets, base) is not this run's. Was: every trainer rank failed to load ("Missing key in checkpoint
     state_dict: ...q_proj.base_layer.weight", or a size mismatch) with the fix to move the checkpoint aside as damaged,
     also for the warm start a refused resume of a full fine-tuning run under model.lora.rank suggests."""
+    from molt_hydra.runtime.resume_lora import adapter_change
+
     saved = (state.get("run_record") or {}).get("config")
     if saved is None:  # (saved before checkpoints recorded their config: the load itself decides)
         return
-    was, lo = saved.get("model", {}).get("lora") or {}, cfg.model.lora
-    now = (lo.rank, list(lo.target_modules) if lo.target_modules else None, cfg.model.path)
-    before = (was.get("rank"), was.get("target_modules") or None, saved.get("model", {}).get("path"))
-    if (now[0] is None and before[0] is None) or now == before:
+    if (change := adapter_change(config_as_dict(cfg), saved)) is None:
         return
-    hf = "its HF export (checkpoint.export_dir, or checkpoint.save_hf's <checkpoint.dir>/hf/step_N)"
-    if before[0] is None:
-        why = (f"{found} holds full weights (saved with model.lora.rank=null), and a LoRA run's engines serve "
-               "model.path's base and receive only the adapter: its base cannot come from a checkpoint (the trainer "
-               f"would train on its, the engines sample from model.path's). Fix: set model.path to {hf}")
-    elif now[0] is None:
-        why = (f"{found} holds a LoRA adapter (saved with model.lora.rank={before[0]}), which does not load into the "
-               "full weights this run trains. Fix: set model.lora as saved, or model.path to its merged export "
-               "(<checkpoint.export_dir>/merged, checkpoint.export_merged=true)")
-    else:
-        why = (f"{found} holds an adapter of rank {before[0]} on {before[1] or 'the family default'} over "
-               f"model.path={before[2]}; this run's is rank {now[0]} on {now[1] or 'the family default'} over "
-               f"{now[2]}: an adapter loads only into one of its shape, and the engines serve model.path's base. "
-               "Fix: set model.lora.rank, model.lora.target_modules and model.path as saved, or model.path to its "
-               "merged export (<checkpoint.export_dir>/merged, checkpoint.export_merged=true) to train a new adapter "
-               "on it")
-    print(f"\nRun failed: checkpoint.load_model_only=true: {why}", file=sys.stderr)
+    from molt_hydra.models.rules import lora_off
+
+    why, fix = change  # (the saved run's own adapter, or none: this run's other keys it leaves to the resume's check)
+    asked = ("set model.lora.rank, model.lora.target_modules and model.path as saved" if
+             saved.get("model", {}).get("lora", {}).get("rank") else f"turn LoRA off ({lora_off(cfg)})")
+    print(f"\nRun failed: checkpoint.load_model_only=true: {found} {why}. Fix: {asked}, or {fix}", file=sys.stderr)
     sys.exit(EXIT_FAILED)
 
 

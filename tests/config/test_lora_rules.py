@@ -155,3 +155,23 @@ def test_the_command_lines_adamw_lr_is_refused_under_lora_with_muon(tmp_path):
     assert point_problems(base, tmp_path, None)[0] == []
     assert point_problems(["+recipe=tiny_lora_cpu", "train.optimizer.lr=0.05", "dry_run=true"], tmp_path,
                           None)[0] == []  # (AdamW reads it)
+
+
+@pytest.mark.parametrize("key", ["model.path", "checkpoint.path"])
+def test_a_lora_export_where_a_model_goes_names_its_merged_model(tmp_path, key):
+    """A LoRA run's export (adapter_config.json + the adapter + a tokenizer) as model.path, or job=eval's
+    checkpoint.path. Before: "holds no config.json, so it is no HF model directory", the fix to name one; now it says
+    it is an adapter and names the merged model, its own where the export has one."""
+    export = tmp_path / "hf_final"
+    export.mkdir()
+    for name in ("adapter_config.json", "adapter_model.safetensors", "tokenizer.json"):
+        (export / name).write_text("{}")
+    eval_job = ["job=eval", "eval.data_path=builtin://toy_eval"] if key == "checkpoint.path" else []
+    found = [line for line in config_errors([*eval_job, f"{key}={export}"]) if line.startswith(f"{key}: ")]
+    assert found == [f"{key}: {str(export)!r} is a LoRA adapter (adapter_config.json, PEFT's format), not an HF model "
+                     f"directory: the trainer and vLLM load a full model from it. Fix: set {key} to the base with the "
+                     "adapter merged in (a LoRA run's <checkpoint.export_dir>/merged, written with "
+                     "checkpoint.export_merged=true)"], found
+    (export / "merged").mkdir()
+    (export / "merged" / "config.json").write_text("{}")
+    assert_fires([*eval_job, f"{key}={export}"], key, f"Fix: set {key} to {export / 'merged'}, its merged model")

@@ -8,6 +8,7 @@ LR back)."""
 from __future__ import annotations
 
 import os
+import shutil
 import sys
 from pathlib import Path
 
@@ -15,8 +16,10 @@ import pytest
 import torch
 from omegaconf import OmegaConf
 
+from molt_hydra.models.tiny import resolve_model_path
 from molt_hydra.parallel.checkpoint import save_checkpoint
 from molt_hydra.runtime.entrypoint import EXIT_FAILED, WARM_START, _check_resume
+from molt_hydra.runtime.resume_lora import NEW_RUN
 from molt_hydra.runtime.run_record import write_run_record
 from molt_hydra.runtime.validate import validate
 
@@ -522,8 +525,9 @@ def test_a_warm_start_across_a_lora_adapter_is_refused_before_anything_starts(sa
     last = warm_start(saved, "model.lora.rank=8")
     assert last.startswith(f"Run failed: checkpoint.load_model_only=true: {tmp_path}/own0/step_0 holds full weights "
                            "(saved with model.lora.rank=null), and a LoRA run's engines serve model.path's base"), last
-    assert last.endswith("Fix: set model.path to its HF export (checkpoint.export_dir, or checkpoint.save_hf's "
-                         "<checkpoint.dir>/hf/step_N)")
+    # (a new run: a warm start from the export would load this checkpoint's weights again, and be refused again)
+    assert last.endswith("Fix: turn LoRA off (model.lora.rank=null), or set model.path to its HF export "
+                         f"(checkpoint.export_dir, or checkpoint.save_hf's <checkpoint.dir>/hf/step_N) {NEW_RUN}")
     # a LoRA run's step (its record says so) under full weights, and under another rank
     model, opt = _trained()
     record = write_run_record(_cfg(tmp_path, "model.lora.rank=8"), tmp_path / "lora_out")
@@ -531,7 +535,8 @@ def test_a_warm_start_across_a_lora_adapter_is_refused_before_anything_starts(sa
         "master_weights": "fsdp", "rl_step": 3, "loop": {"generator": {"epoch": 1}}, "run_record": record})
     lora_step = tmp_path / "lora" / "step_3"
     assert "step_0 holds a LoRA adapter (saved with model.lora.rank=8), which does not load into the full weights " \
-           "this run trains. Fix: set model.lora as saved" in warm_start(lora_step)
+           "this run trains. Fix: set model.lora.rank, model.lora.target_modules and model.path as saved, or set " \
+           "model.path to its merged export" in warm_start(lora_step)
     assert ("step_0 holds an adapter of rank 8 on the family default over model.path=tiny://qwen3_tiny; this run's is "
             "rank 16 on the family default over tiny://qwen3_tiny") in warm_start(lora_step, "model.lora.rank=16")
     own = tmp_path / "same"
@@ -539,6 +544,67 @@ def test_a_warm_start_across_a_lora_adapter_is_refused_before_anything_starts(sa
     assert _check_resume(_cfg(tmp_path, "checkpoint.resume=auto", "checkpoint.load_model_only=true",
                               f"checkpoint.dir={own}", "model.lora.rank=8", "model.lora.alpha=32")) == \
         (own / "step_0", None)
+
+
+@pytest.fixture
+def lora_saved(tmp_path):
+    """A LoRA run's step-3 checkpoint (rank 8; alpha and targets left to their defaults)."""
+    model, opt = _trained()
+    save_checkpoint(tmp_path / "ckpt", 3, model, opt, client_state={
+        "master_weights": "fsdp", "rl_step": 3, "loop": {"generator": {"epoch": 1}},
+        "run_record": write_run_record(_cfg(tmp_path, "model.lora.rank=8"), tmp_path / "out")})
+    return tmp_path / "ckpt" / "step_3"
+
+
+def _refusal(cfg, capsys) -> str:
+    with pytest.raises(SystemExit) as stop:
+        _check_resume(cfg)
+    assert stop.value.code == EXIT_FAILED
+    return capsys.readouterr().err.strip().splitlines()[-1]
+
+
+def test_a_resume_spelling_out_the_lora_defaults_is_the_same_run(lora_saved, tmp_path, capsys):
+    """model.lora as the trainer takes it: alpha null is 2 x rank, target_modules null the family's default (in any
+    order: PEFT matches them as a set). Before: a resume (or warm start) that spelled either out was refused as a
+    changed model.lora; another target set is still refused, naming the targets the saved run trained."""
+    from molt_hydra.models.lora import FAMILIES
+
+    default = FAMILIES["qwen3"][0]
+    spelled = ("model.lora.rank=8", "model.lora.alpha=16", f"model.lora.target_modules=[{','.join(default[::-1])}]")
+    found, state = _check_resume(_cfg(tmp_path, "checkpoint.resume=auto", *spelled))
+    assert found == lora_saved and state["rl_step"] == 3
+    assert "Resuming" not in capsys.readouterr().err  # (no key named as changed)
+    own = tmp_path / "own"
+    shutil.copytree(lora_saved, own / "step_0")
+    assert _check_resume(_cfg(tmp_path, "checkpoint.resume=auto", "checkpoint.load_model_only=true",
+                              f"checkpoint.dir={own}", *spelled)) == (own / "step_0", None)
+    last = _refusal(_cfg(tmp_path, "checkpoint.resume=auto", "model.lora.rank=8",
+                         "model.lora.target_modules=[v_proj,q_proj]"), capsys)
+    assert f"model.lora.target_modules=['q_proj', 'v_proj'] (saved with {sorted(default)})" in last, last
+
+
+def test_a_resume_under_another_adapter_names_a_fix_that_starts(lora_saved, tmp_path, capsys):
+    """A resume of a LoRA run under another rank (or of a full fine-tuning run under LoRA) is refused. Before: its fix
+    was a warm start from the checkpoint's weights (checkpoint.load_model_only=true), which is refused for just that
+    (an adapter loads only into one of its shape); now it names the new run from an export that starts."""
+    last = _refusal(_cfg(tmp_path, "checkpoint.resume=auto", "model.lora.rank=16"), capsys)
+    assert last.startswith(f"Run failed: {lora_saved} cannot be resumed as saved: model.lora.alpha=32.0 (saved with "
+                           "16.0); model.lora.rank=16 (saved with 8). "), last  # (alpha null: 2 x rank)
+    assert last.endswith("Fix: set them back (see its run_record.json), or set model.path to its merged export "
+                         f"(<checkpoint.export_dir>/merged, checkpoint.export_merged=true) {NEW_RUN} to train a new "
+                         "adapter on it"), last
+    full = tmp_path / "full"  # a full fine-tuning run's step, resumed under LoRA
+    model, opt = _trained()
+    save_checkpoint(full, 3, model, opt, client_state={
+        "master_weights": "fsdp", "rl_step": 3, "loop": {"generator": {"epoch": 1}},
+        "run_record": write_run_record(_cfg(tmp_path), tmp_path / "full_out")})
+    assert _refusal(_cfg(tmp_path, "checkpoint.resume=auto", f"checkpoint.dir={full}", "model.lora.rank=8"),
+                    capsys).endswith(f"<checkpoint.dir>/hf/step_N) {NEW_RUN}")
+    # the fix as named (the tiny model's directory standing for the export) starts, at step 0
+    export = resolve_model_path("tiny://qwen3_tiny")
+    assert _check_resume(_cfg(tmp_path, "checkpoint.resume=auto", f"checkpoint.dir={tmp_path / 'new'}",
+                              "checkpoint.load_model_only=false", f"model.path={export}", "model.lora.rank=16")) == \
+        (None, None)
 
 
 def test_an_sft_resume_past_the_last_step_of_fewer_epochs_is_refused_before_any_rank_starts(tmp_path, capsys):
