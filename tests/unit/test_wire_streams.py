@@ -266,6 +266,14 @@ HOSTILE = [  # (path, raw body, status, param or None, words the message must co
      "'stream_options' must be an object"),
     ("/v1/chat/completions", {"messages": USER, "stream": True, "stream_options": {"include_usage": "no"}}, 400,
      "stream_options.include_usage", "must be a boolean"),
+    # stream_options on a plain request: a 400, as OpenAI and vLLM answer (was: accepted, and a client that worked here
+    # failed there)
+    ("/v1/chat/completions", {"messages": USER, "stream_options": {"include_usage": True}}, 400, "stream_options",
+     "'stream_options' is only allowed when 'stream' is true"),
+    ("/v1/completions", {"prompt": "hi", "stream": False, "stream_options": {"include_usage": True}}, 400,
+     "stream_options", "'stream_options' is only allowed when 'stream' is true"),
+    ("/v1/responses", {"input": "hi", "stream_options": {"include_obfuscation": False}}, 400, "stream_options",
+     "'stream_options' is only allowed when 'stream' is true"),
     # named as sent (was: "'tool_choice'='required' needs 'tools'", OpenAI's value, not the one sent)
     ("/v1/messages", {"messages": USER, "max_tokens": 5, "tool_choice": {"type": "any"}}, 400, None,
      "'tool_choice' {type: 'any'} needs 'tools'"),

@@ -1,4 +1,5 @@
-"""OpenAI `/v1/completions`: a raw-text prompt, tokenized as sent (no chat template), and the legacy reply shape."""
+"""OpenAI `/v1/completions`: a raw-text prompt, tokenized as sent (no chat template), and the legacy reply shape.
+Without `max_tokens` a completion runs to the turn's cap, as on every route (not OpenAI's default of 16 tokens)."""
 
 from __future__ import annotations
 

@@ -193,6 +193,7 @@ def include_usage(body: dict) -> bool:
     options = body.get("stream_options")
     if options is not None and not isinstance(options, dict):
         raise bad(f"'stream_options' must be an object, got {options!r}", "stream_options")
+    stream_only(body)
     v = (options or {}).get("include_usage")
     if (options or {}).get("continuous_usage_stats") not in (None, False):  # vLLM's (was: ignored)
         raise bad("'stream_options.continuous_usage_stats' (usage on every chunk, vLLM's) is not served: the usage "
@@ -200,6 +201,15 @@ def include_usage(body: dict) -> bool:
     if v is not None and not isinstance(v, bool):
         raise bad(f"'stream_options.include_usage' must be a boolean, got {v!r}", "stream_options.include_usage")
     return bool(v)
+
+
+def stream_only(body: dict) -> None:
+    """`stream_options` with `stream: true` only, as OpenAI and vLLM's server answer (was: accepted and ignored on a
+    plain request, which those servers refuse: a client that worked here failed there)."""
+    stream = body.get("stream")  # (a stream that is no boolean: the 400 of its own check)
+    if body.get("stream_options") is not None and (stream is None or stream is False):
+        raise bad("'stream_options' is only allowed when 'stream' is true: it shapes a streamed reply, and a plain "
+                  "reply carries its usage anyway; omit it, or send stream: true", "stream_options")
 
 
 def content(parts: list[dict]) -> str | list[dict]:
