@@ -266,14 +266,6 @@ HOSTILE = [  # (path, raw body, status, param or None, words the message must co
      "'stream_options' must be an object"),
     ("/v1/chat/completions", {"messages": USER, "stream": True, "stream_options": {"include_usage": "no"}}, 400,
      "stream_options.include_usage", "must be a boolean"),
-    # stream_options on a plain request: a 400, as OpenAI and vLLM answer (was: accepted, and a client that worked here
-    # failed there)
-    ("/v1/chat/completions", {"messages": USER, "stream_options": {"include_usage": True}}, 400, "stream_options",
-     "'stream_options' is only allowed when 'stream' is true"),
-    ("/v1/completions", {"prompt": "hi", "stream": False, "stream_options": {"include_usage": True}}, 400,
-     "stream_options", "'stream_options' is only allowed when 'stream' is true"),
-    ("/v1/responses", {"input": "hi", "stream_options": {"include_obfuscation": False}}, 400, "stream_options",
-     "'stream_options' is only allowed when 'stream' is true"),
     # named as sent (was: "'tool_choice'='required' needs 'tools'", OpenAI's value, not the one sent)
     ("/v1/messages", {"messages": USER, "max_tokens": 5, "tool_choice": {"type": "any"}}, 400, None,
      "'tool_choice' {type: 'any'} needs 'tools'"),
@@ -3281,6 +3273,25 @@ def test_vllms_usage_on_every_chunk_is_refused_naming_it(tok, path, body):
         "include_usage": True, "continuous_usage_stats": False}))
     assert status == 200 and events[-1] == (None, "[DONE]")
     assert [i for i, (_, d) in enumerate(events[:-1]) if "usage" in d] == [len(events) - 2]
+
+
+@pytest.mark.parametrize("path,body,served", [
+    ("/v1/chat/completions", {"messages": USER}, {"include_usage": True, "include_obfuscation": False}),
+    ("/v1/completions", {"prompt": "abc"}, {"include_usage": True, "include_obfuscation": True}),
+    ("/v1/responses", {"input": "abc"}, {"include_obfuscation": False})])
+def test_stream_options_are_served_keys_of_a_stream_only(tok, path, body, served):
+    """`stream_options` shapes a stream: on a plain request it was accepted and ignored, which OpenAI and vLLM refuse
+    with a 400 (a client that worked here failed there), and a key it does not serve (a misspelling, chat's
+    include_usage on the Responses API) was ignored. Now both are a 400 naming the field; OpenAI's include_obfuscation
+    (padding against network side channels) is served as changing nothing."""
+    status, events = exchange(tok, path, dict(body, stream=True, stream_options=served))
+    assert status == 200 and events[-1][0] in (None, "response.completed")
+    assert served.get("include_usage") is None or "usage" in events[-2][1]  # chat / completions: the usage chunk
+    status, error = exchange(tok, path, dict(body, stream_options=served))
+    assert (status, error["error"]["param"]) == (400, "stream_options")
+    assert error["error"]["message"].startswith("'stream_options' is only allowed when 'stream' is true")
+    status, error = exchange(tok, path, dict(body, stream=True, stream_options=dict(served, include_usge=True)))
+    assert (status, error["error"]["param"]) == (400, "stream_options.include_usge")
 
 
 def test_a_retried_anthropic_stream_reports_its_own_prompt_in_message_start(tok):

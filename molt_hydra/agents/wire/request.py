@@ -190,12 +190,9 @@ def flag(body: dict, key: str, default: bool | None = False) -> bool | None:
 
 def include_usage(body: dict) -> bool:
     """OpenAI's `stream_options.include_usage` (chat and completions): a usage chunk ends the stream."""
-    options = body.get("stream_options")
-    if options is not None and not isinstance(options, dict):
-        raise bad(f"'stream_options' must be an object, got {options!r}", "stream_options")
-    stream_only(body)
-    v = (options or {}).get("include_usage")
-    if (options or {}).get("continuous_usage_stats") not in (None, False):  # vLLM's (was: ignored)
+    options = stream_options(body, {"include_usage", "include_obfuscation", "continuous_usage_stats"})
+    v = options.get("include_usage")
+    if options.get("continuous_usage_stats") not in (None, False):  # vLLM's (was: ignored)
         raise bad("'stream_options.continuous_usage_stats' (usage on every chunk, vLLM's) is not served: the usage "
                   "comes once, in a last chunk, with include_usage; omit it", "stream_options.continuous_usage_stats")
     if v is not None and not isinstance(v, bool):
@@ -203,13 +200,24 @@ def include_usage(body: dict) -> bool:
     return bool(v)
 
 
-def stream_only(body: dict) -> None:
-    """`stream_options` with `stream: true` only, as OpenAI and vLLM's server answer (was: accepted and ignored on a
-    plain request, which those servers refuse: a client that worked here failed there)."""
+def stream_options(body: dict, served: set[str]) -> dict:
+    """`stream_options`, an object of the `served` keys (include_obfuscation, OpenAI's random padding of the events
+    against side channels on its network, changes nothing here), sent with `stream: true` only, as OpenAI and vLLM's
+    server answer (was: accepted and ignored on a plain request, which those servers refuse, and any key, a misspelt
+    one too, ignored)."""
+    options = body.get("stream_options")
+    if options is None:
+        return {}
+    if not isinstance(options, dict):
+        raise bad(f"'stream_options' must be an object, got {options!r}", "stream_options")
+    if unknown := sorted(set(options) - served):
+        raise bad(f"'stream_options' keys {unknown} are not served (served: {sorted(served)})",
+                  f"stream_options.{unknown[0]}")
     stream = body.get("stream")  # (a stream that is no boolean: the 400 of its own check)
-    if body.get("stream_options") is not None and (stream is None or stream is False):
+    if stream is None or stream is False:
         raise bad("'stream_options' is only allowed when 'stream' is true: it shapes a streamed reply, and a plain "
                   "reply carries its usage anyway; omit it, or send stream: true", "stream_options")
+    return options
 
 
 def content(parts: list[dict]) -> str | list[dict]:

@@ -26,7 +26,7 @@ def parse(body: Any) -> ChatRequest:
         raise bad("'previous_response_id' is not supported: this server stores no responses; send the full input "
                   "(agent SDKs do so when store=false)", "previous_response_id")
     check.fields(body, FIELDS, "/v1/responses")
-    check.stream_only(body)  # (its stream_options, include_obfuscation, shapes only a stream)
+    check.stream_options(body, {"include_obfuscation"})
     items = body.get("input")
     if not isinstance(items, (str, list)) or not items:
         raise bad("'input' must be a non-empty string or a non-empty list of items", "input")
