@@ -266,6 +266,13 @@ HOSTILE = [  # (path, raw body, status, param or None, words the message must co
      "'stream_options' must be an object"),
     ("/v1/chat/completions", {"messages": USER, "stream": True, "stream_options": {"include_usage": "no"}}, 400,
      "stream_options.include_usage", "must be a boolean"),
+    # a field of the wrong type that is falsy (was: taken as absent, where a truthy one was a 400)
+    ("/v1/responses", {"input": "hi", "instructions": []}, 400, "instructions", "'instructions' must be a string"),
+    ("/v1/responses", {"input": "hi", "text": ""}, 400, "text", "'text' must be an object"),
+    ("/v1/responses", {"input": "hi", "include": {}}, 400, "include", "'include' must be a list of strings"),
+    ("/v1/completions", {"prompt": "hi", "suffix": 0}, 400, "suffix", "'suffix' (fill-in-the-middle) is not supported"),
+    ("/v1/chat/completions", {"messages": USER + [{"role": "assistant", "content": "", "tool_calls": {}}]}, 400,
+     "messages[1].tool_calls", "messages[1].tool_calls must be a list"),
     # named as sent (was: "'tool_choice'='required' needs 'tools'", OpenAI's value, not the one sent)
     ("/v1/messages", {"messages": USER, "max_tokens": 5, "tool_choice": {"type": "any"}}, 400, None,
      "'tool_choice' {type: 'any'} needs 'tools'"),
