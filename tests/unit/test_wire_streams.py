@@ -3435,3 +3435,22 @@ def test_a_chat_turn_waiting_out_an_engine_outage_extends_its_own_rollouts_deadl
     first, later, took = asyncio.run(go())
     assert not first.failures and not later.failures, later.errors
     assert [t.reward for t in later.trajectories] == [1.0] and took > 6.0  # past timeout_s=5: the wait did not count
+
+
+@pytest.mark.parametrize("path,body", [
+    ("/v1/chat/completions", {"messages": USER, "prompt_cache_options": {"mode": "explicit", "ttl": "30m"}}),
+    ("/v1/responses", {"input": "hi", "prompt_cache_options": {"mode": "implicit"}}),
+    ("/v1/messages", {"messages": USER, "max_tokens": 8, "inference_geo": "us", "speed": "standard"})])
+def test_cache_and_placement_fields_of_the_sdks_are_served_as_changing_nothing(tok, path, body):
+    """The SDKs' `prompt_cache_options` (OpenAI; the Agents SDK's ModelSettings sends it) and Anthropic's
+    `inference_geo` and `speed: "standard"` say how a request is cached or placed, not what is sampled, as
+    prompt_cache_key does: they were a 400 "unsupported field". Now served; `speed: "fast"` (a faster engine than the
+    one generating) is a 400 naming it."""
+    status, reply = exchange(tok, path, body)
+    text = {"/v1/chat/completions": lambda r: r["choices"][0]["message"]["content"],
+            "/v1/responses": lambda r: r["output"][0]["content"][0]["text"],
+            "/v1/messages": lambda r: r["content"][0]["text"]}[path]
+    assert (status, text(reply)) == (200, "Hello there.")
+    if path == "/v1/messages":
+        status, error = exchange(tok, path, dict(body, speed="fast"))
+        assert status == 400 and error["error"]["message"].startswith("'speed'='fast' is not supported"), error

@@ -75,12 +75,14 @@ class ChatRequest:
 # Fields of each wire format that are accepted but change nothing here (documented in docs/agents.md);
 # any field neither honoured nor listed here is refused with a 400 naming it.
 IGNORED_FIELDS = {"model", "user", "metadata", "store", "service_tier", "safety_identifier", "prompt_cache_key",
-                  "prompt_cache_retention", "stream_options"}
+                  "prompt_cache_retention", "prompt_cache_options", "stream_options",
+                  "inference_geo"}  # (Anthropic's region of inference)
 # Fields accepted only at the value that changes nothing (sampling shapers training does not assume).
 NEUTRAL_VALUES = {"frequency_penalty": (0, 0.0), "presence_penalty": (0, 0.0), "logit_bias": ({},), "include": ([],),
                   "modalities": (["text"],), "truncation": ("disabled",), "best_of": (1,), "echo": (False,),
                   "min_p": (0, 0.0), "repetition_penalty": (1, 1.0),  # (vLLM's extensions, sent for Qwen models)
-                  "verbosity": ("medium",)}  # chat's, as Responses' text.verbosity: the model is not trained to it
+                  "verbosity": ("medium",),  # chat's, as Responses' text.verbosity: the model is not trained to it
+                  "speed": ("standard",)}  # Anthropic's: "fast" asks for a faster engine than the one generating
 
 
 def fields(body: Any, honoured: set[str], api: str) -> None:
