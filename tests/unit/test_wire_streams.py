@@ -3454,3 +3454,24 @@ def test_cache_and_placement_fields_of_the_sdks_are_served_as_changing_nothing(t
     if path == "/v1/messages":
         status, error = exchange(tok, path, dict(body, speed="fast"))
         assert status == 400 and error["error"]["message"].startswith("'speed'='fast' is not supported"), error
+
+
+def test_a_method_a_route_does_not_serve_is_a_405_naming_the_ones_it_does(tok):
+    """aiohttp's 405 names the route's methods in its `Allow` header, as HTTP requires; the JSON error that replaces it
+    dropped the header, and its code was the reason phrase with a space ("method not allowed"). Now both are kept,
+    in each API's shape."""
+    async def go():
+        server, _ = await serving(tok, ScriptedEngine(tok, "Hello."))
+        try:
+            out = []
+            async with aiohttp.ClientSession(headers={"Authorization": "Bearer k"}) as http:
+                for path in ("/v1/chat/completions", "/v1/messages"):
+                    async with http.get(server.session_url("s") + path) as r:
+                        out.append((r.status, r.headers.get("Allow"), await r.json()))
+            return out
+        finally:
+            await server.stop()
+
+    (status, allow, openai_error), (a_status, a_allow, anthropic_error) = asyncio.run(go())
+    assert (status, allow, openai_error["error"]["code"]) == (405, "POST", "method_not_allowed")
+    assert (a_status, a_allow, anthropic_error["type"]) == (405, "POST", "error")

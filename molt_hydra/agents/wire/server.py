@@ -257,6 +257,7 @@ def _model_info(model_id: str) -> dict:
 async def _json_errors(request: web.Request, handler):
     """Every failure as the API's JSON error: a request's own (4xx), aiohttp's plain-text 404 / 405 / 413, and any
     other exception (500, with the engine's message)."""
+    headers = {}
     try:
         return await handler(request)
     except RequestError as e:
@@ -264,7 +265,10 @@ async def _json_errors(request: web.Request, handler):
     except web.HTTPException as e:
         if e.status < 400:
             raise
-        error = RequestError(e.status, f"{e.reason}: {request.method} {request.path}", code=e.reason.lower())
+        error = RequestError(e.status, f"{e.reason}: {request.method} {request.path}",
+                             code=e.reason.lower().replace(" ", "_"))
+        if "Allow" in e.headers:  # a 405's methods the route serves, which HTTP requires it to name (was: dropped)
+            headers["Allow"] = e.headers["Allow"]
         if e.status == 404 and not request.path.startswith("/s/"):
             error.message += " (the API routes live under /s/{session_id}: use ctx.base_url / ctx.session_url)"
         elif e.status == 404 and "/judge/" in request.path:  # e.g. the Agents SDK's default Responses model
@@ -291,7 +295,7 @@ async def _json_errors(request: web.Request, handler):
     # Anthropic's routes, served or not (was: a 404 under /v1/messages/, e.g. batches, in OpenAI's shape)
     anthropic_route = request.path.endswith("/v1/messages") or "/v1/messages/" in request.path
     shape = anthropic.error if anthropic_route else openai_chat.error
-    return web.json_response(shape(error), status=error.status)
+    return web.json_response(shape(error), status=error.status, headers=headers)
 
 
 def request_error(e: Exception) -> RequestError:
