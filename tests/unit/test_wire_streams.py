@@ -3475,3 +3475,30 @@ def test_a_method_a_route_does_not_serve_is_a_405_naming_the_ones_it_does(tok):
     (status, allow, openai_error), (a_status, a_allow, anthropic_error) = asyncio.run(go())
     assert (status, allow, openai_error["error"]["code"]) == (405, "POST", "method_not_allowed")
     assert (a_status, a_allow, anthropic_error["type"]) == (405, "POST", "error")
+
+
+def test_a_completion_without_max_tokens_runs_to_the_turns_cap_not_openais_16(tok):
+    """OpenAI's and vLLM's /v1/completions default max_tokens to 16; here, as on every route, a request without it
+    gets the turn's cap (rollout.max_new_tokens, within the session's length), as docs/agents.md says: 16 would cut
+    every raw completion of a rollout short. A max_tokens sent lowers the cap."""
+    class Recording(ScriptedEngine):
+        caps: list = []
+
+        async def generate(self, request):
+            self.caps.append(request.sampling.max_tokens)
+            return await super().generate(request)
+
+    async def go():
+        engine = Recording(tok, "Hello there.")
+        server, session = await serving(tok, engine)
+        try:
+            async with aiohttp.ClientSession(headers={"Authorization": "Bearer k"}) as http:
+                for body in ({"prompt": "abc"}, {"prompt": "abcd", "max_tokens": 5}):
+                    async with http.post(server.session_url("s") + "/v1/completions", json=body) as r:
+                        assert r.status == 200, await r.text()
+            return engine.caps, session.sampling.max_tokens
+        finally:
+            await server.stop()
+
+    caps, cap = asyncio.run(go())
+    assert caps == [cap, 5] and cap != 16
