@@ -204,6 +204,12 @@ HOSTILE = [  # (path, raw body, status, param or None, words the message must co
     ("/v1/chat/completions", b"[" * 100_000, 400, None, "nested too deeply"),
     ("/v1/messages", b"[" * 100_000, 400, None, "nested too deeply"),
     ("/v1/chat/completions", b'{"messages": [], "n": 1' + b"0" * 5000 + b"}", 400, None, "not valid JSON"),
+    # NaN / Infinity, which Python's decoder reads and JSON has not (was: accepted where no range check ran)
+    ("/v1/chat/completions", b'{"messages": [{"role": "user", "content": "hi"}], "metadata": {"a": NaN}}', 400, None,
+     "request body is not valid JSON: NaN is not a JSON value"),
+    ("/v1/messages", b'{"max_tokens": 5, "messages": [{"role": "user", "content": "hi"}], "tools": [{"name": "f", '
+     b'"input_schema": {"type": "object", "properties": {"x": {"type": "number", "maximum": Infinity}}}}]}', 400, None,
+     "request body is not valid JSON: Infinity is not a JSON value"),
     ("/v1/chat/completions", {"messages": USER, "seed": 2**64}, 400, "seed", "<= 9223372036854775807"),
     ("/v1/chat/completions", {"messages": USER, "tools": [TOOL], "tool_choice": {"type": "function", "function": "f"}},
      400, "tool_choice", "names no function"),

@@ -188,7 +188,8 @@ class ChatServer:
                                "ended; use the ctx.base_url / ctx.session_url of the running rollout",
                                code="unknown_session")
         try:
-            body = json.loads(await request.read())  # bytes: JSON's own UTF-8/16/32, whatever charset says
+            # bytes: JSON's own UTF-8/16/32, whatever charset says
+            body = json.loads(await request.read(), parse_constant=_not_json)
         except web.HTTPRequestEntityTooLarge:
             raise RequestError(413, f"request body is larger than {MAX_BODY_BYTES} bytes", code="request_too_large")
         except RecursionError:
@@ -245,6 +246,12 @@ class ChatServer:
         finally:
             await task
         return resp
+
+
+def _not_json(name: str):
+    """Python's decoder reads NaN / Infinity / -Infinity, which JSON has not (was: accepted, and a body echoing them,
+    a Responses tool's schema, was sent back as no client's JSON parser but Python's reads it)."""
+    raise ValueError(f"{name} is not a JSON value (JSON has no NaN or Infinity)")
 
 
 def _model_info(model_id: str) -> dict:
