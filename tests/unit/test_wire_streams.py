@@ -204,6 +204,12 @@ HOSTILE = [  # (path, raw body, status, param or None, words the message must co
     ("/v1/chat/completions", b"[" * 100_000, 400, None, "nested too deeply"),
     ("/v1/messages", b"[" * 100_000, 400, None, "nested too deeply"),
     ("/v1/chat/completions", b'{"messages": [], "n": 1' + b"0" * 5000 + b"}", 400, None, "not valid JSON"),
+    # NaN / Infinity, which Python's decoder reads and JSON has not (was: accepted where no range check ran)
+    ("/v1/chat/completions", b'{"messages": [{"role": "user", "content": "hi"}], "metadata": {"a": NaN}}', 400, None,
+     "request body is not valid JSON: NaN is not a JSON value"),
+    ("/v1/messages", b'{"max_tokens": 5, "messages": [{"role": "user", "content": "hi"}], "tools": [{"name": "f", '
+     b'"input_schema": {"type": "object", "properties": {"x": {"type": "number", "maximum": Infinity}}}}]}', 400, None,
+     "request body is not valid JSON: Infinity is not a JSON value"),
     ("/v1/chat/completions", {"messages": USER, "seed": 2**64}, 400, "seed", "<= 9223372036854775807"),
     ("/v1/chat/completions", {"messages": USER, "tools": [TOOL], "tool_choice": {"type": "function", "function": "f"}},
      400, "tool_choice", "names no function"),
@@ -266,6 +272,13 @@ HOSTILE = [  # (path, raw body, status, param or None, words the message must co
      "'stream_options' must be an object"),
     ("/v1/chat/completions", {"messages": USER, "stream": True, "stream_options": {"include_usage": "no"}}, 400,
      "stream_options.include_usage", "must be a boolean"),
+    # a field of the wrong type that is falsy (was: taken as absent, where a truthy one was a 400)
+    ("/v1/responses", {"input": "hi", "instructions": []}, 400, "instructions", "'instructions' must be a string"),
+    ("/v1/responses", {"input": "hi", "text": ""}, 400, "text", "'text' must be an object"),
+    ("/v1/responses", {"input": "hi", "include": {}}, 400, "include", "'include' must be a list of strings"),
+    ("/v1/completions", {"prompt": "hi", "suffix": 0}, 400, "suffix", "'suffix' (fill-in-the-middle) is not supported"),
+    ("/v1/chat/completions", {"messages": USER + [{"role": "assistant", "content": "", "tool_calls": {}}]}, 400,
+     "messages[1].tool_calls", "messages[1].tool_calls must be a list"),
     # named as sent (was: "'tool_choice'='required' needs 'tools'", OpenAI's value, not the one sent)
     ("/v1/messages", {"messages": USER, "max_tokens": 5, "tool_choice": {"type": "any"}}, 400, None,
      "'tool_choice' {type: 'any'} needs 'tools'"),
@@ -3275,6 +3288,25 @@ def test_vllms_usage_on_every_chunk_is_refused_naming_it(tok, path, body):
     assert [i for i, (_, d) in enumerate(events[:-1]) if "usage" in d] == [len(events) - 2]
 
 
+@pytest.mark.parametrize("path,body,served", [
+    ("/v1/chat/completions", {"messages": USER}, {"include_usage": True, "include_obfuscation": False}),
+    ("/v1/completions", {"prompt": "abc"}, {"include_usage": True, "include_obfuscation": True}),
+    ("/v1/responses", {"input": "abc"}, {"include_obfuscation": False})])
+def test_stream_options_are_served_keys_of_a_stream_only(tok, path, body, served):
+    """`stream_options` shapes a stream: on a plain request it was accepted and ignored, which OpenAI and vLLM refuse
+    with a 400 (a client that worked here failed there), and a key it does not serve (a misspelling, chat's
+    include_usage on the Responses API) was ignored. Now both are a 400 naming the field; OpenAI's include_obfuscation
+    (padding against network side channels) is served as changing nothing."""
+    status, events = exchange(tok, path, dict(body, stream=True, stream_options=served))
+    assert status == 200 and events[-1][0] in (None, "response.completed")
+    assert served.get("include_usage") is None or "usage" in events[-2][1]  # chat / completions: the usage chunk
+    status, error = exchange(tok, path, dict(body, stream_options=served))
+    assert (status, error["error"]["param"]) == (400, "stream_options")
+    assert error["error"]["message"].startswith("'stream_options' is only allowed when 'stream' is true")
+    status, error = exchange(tok, path, dict(body, stream=True, stream_options=dict(served, include_usge=True)))
+    assert (status, error["error"]["param"]) == (400, "stream_options.include_usge")
+
+
 def test_a_retried_anthropic_stream_reports_its_own_prompt_in_message_start(tok):
     """A turn retried (served from the cache) after a request of the session was refused as too long streamed the
     refused request's input_tokens in message_start: the refusal had counted its prompt there. Now the retry reports
@@ -3409,3 +3441,70 @@ def test_a_chat_turn_waiting_out_an_engine_outage_extends_its_own_rollouts_deadl
     first, later, took = asyncio.run(go())
     assert not first.failures and not later.failures, later.errors
     assert [t.reward for t in later.trajectories] == [1.0] and took > 6.0  # past timeout_s=5: the wait did not count
+
+
+@pytest.mark.parametrize("path,body", [
+    ("/v1/chat/completions", {"messages": USER, "prompt_cache_options": {"mode": "explicit", "ttl": "30m"}}),
+    ("/v1/responses", {"input": "hi", "prompt_cache_options": {"mode": "implicit"}}),
+    ("/v1/messages", {"messages": USER, "max_tokens": 8, "inference_geo": "us", "speed": "standard"})])
+def test_cache_and_placement_fields_of_the_sdks_are_served_as_changing_nothing(tok, path, body):
+    """The SDKs' `prompt_cache_options` (OpenAI; the Agents SDK's ModelSettings sends it) and Anthropic's
+    `inference_geo` and `speed: "standard"` say how a request is cached or placed, not what is sampled, as
+    prompt_cache_key does: they were a 400 "unsupported field". Now served; `speed: "fast"` (a faster engine than the
+    one generating) is a 400 naming it."""
+    status, reply = exchange(tok, path, body)
+    text = {"/v1/chat/completions": lambda r: r["choices"][0]["message"]["content"],
+            "/v1/responses": lambda r: r["output"][0]["content"][0]["text"],
+            "/v1/messages": lambda r: r["content"][0]["text"]}[path]
+    assert (status, text(reply)) == (200, "Hello there.")
+    if path == "/v1/messages":
+        status, error = exchange(tok, path, dict(body, speed="fast"))
+        assert status == 400 and error["error"]["message"].startswith("'speed'='fast' is not supported"), error
+
+
+def test_a_method_a_route_does_not_serve_is_a_405_naming_the_ones_it_does(tok):
+    """aiohttp's 405 names the route's methods in its `Allow` header, as HTTP requires; the JSON error that replaces it
+    dropped the header, and its code was the reason phrase with a space ("method not allowed"). Now both are kept,
+    in each API's shape."""
+    async def go():
+        server, _ = await serving(tok, ScriptedEngine(tok, "Hello."))
+        try:
+            out = []
+            async with aiohttp.ClientSession(headers={"Authorization": "Bearer k"}) as http:
+                for path in ("/v1/chat/completions", "/v1/messages"):
+                    async with http.get(server.session_url("s") + path) as r:
+                        out.append((r.status, r.headers.get("Allow"), await r.json()))
+            return out
+        finally:
+            await server.stop()
+
+    (status, allow, openai_error), (a_status, a_allow, anthropic_error) = asyncio.run(go())
+    assert (status, allow, openai_error["error"]["code"]) == (405, "POST", "method_not_allowed")
+    assert (a_status, a_allow, anthropic_error["type"]) == (405, "POST", "error")
+
+
+def test_a_completion_without_max_tokens_runs_to_the_turns_cap_not_openais_16(tok):
+    """OpenAI's and vLLM's /v1/completions default max_tokens to 16; here, as on every route, a request without it
+    gets the turn's cap (rollout.max_new_tokens, within the session's length), as docs/agents.md says: 16 would cut
+    every raw completion of a rollout short. A max_tokens sent lowers the cap."""
+    class Recording(ScriptedEngine):
+        caps: list = []
+
+        async def generate(self, request):
+            self.caps.append(request.sampling.max_tokens)
+            return await super().generate(request)
+
+    async def go():
+        engine = Recording(tok, "Hello there.")
+        server, session = await serving(tok, engine)
+        try:
+            async with aiohttp.ClientSession(headers={"Authorization": "Bearer k"}) as http:
+                for body in ({"prompt": "abc"}, {"prompt": "abcd", "max_tokens": 5}):
+                    async with http.post(server.session_url("s") + "/v1/completions", json=body) as r:
+                        assert r.status == 200, await r.text()
+            return engine.caps, session.sampling.max_tokens
+        finally:
+            await server.stop()
+
+    caps, cap = asyncio.run(go())
+    assert caps == [cap, 5] and cap != 16

@@ -1,4 +1,5 @@
-"""OpenAI `/v1/completions`: a raw-text prompt, tokenized as sent (no chat template), and the legacy reply shape."""
+"""OpenAI `/v1/completions`: a raw-text prompt, tokenized as sent (no chat template), and the legacy reply shape.
+Without `max_tokens` a completion runs to the turn's cap, as on every route (not OpenAI's default of 16 tokens)."""
 
 from __future__ import annotations
 
@@ -17,8 +18,8 @@ FIELDS = {"prompt", "max_tokens", "temperature", "top_p", "top_k", "n", "stop", 
 
 def parse(body: Any) -> ChatRequest:
     check.fields(body, FIELDS, "/v1/completions")
-    if body.get("suffix"):
-        raise bad("'suffix' (fill-in-the-middle) is not supported", "suffix")
+    if body.get("suffix") not in (None, ""):  # (was: a falsy one of another type, [] or 0, taken as none)
+        raise bad(f"'suffix' (fill-in-the-middle) is not supported, got {body['suffix']!r}: omit it", "suffix")
     prompt = body.get("prompt")
     if isinstance(prompt, list) and len(prompt) == 1:
         prompt = prompt[0]

@@ -67,10 +67,11 @@ def _message(m: Any, where: str) -> dict:
                   "empty array instead.", f"{where}.content")
     part = functools.partial(_part, assistant=role == "assistant")
     out: dict = {"role": role, "content": check.text_or_parts(content, f"{where}.content", part)}
-    if role == "assistant" and m.get("tool_calls"):
-        if not isinstance(m["tool_calls"], list):
-            raise bad(f"{where}.tool_calls must be a list", where)
-        out["tool_calls"] = [_tool_call(tc, f"{where}.tool_calls[{j}]") for j, tc in enumerate(m["tool_calls"])]
+    if role == "assistant" and m.get("tool_calls") is not None:
+        if not isinstance(m["tool_calls"], list):  # (was: a falsy one, {} or "", taken as none)
+            raise bad(f"{where}.tool_calls must be a list, got {m['tool_calls']!r}", f"{where}.tool_calls")
+        if m["tool_calls"]:  # (an empty list: as none, the canonical message has no tool_calls)
+            out["tool_calls"] = [_tool_call(tc, f"{where}.tool_calls[{j}]") for j, tc in enumerate(m["tool_calls"])]
     # an echoed thinking (`reasoning`, or its older name `reasoning_content`) goes to the template under both names, as
     # vLLM hands it (was: dropped; Qwen3's template renders it in the assistant turns after the last user message)
     key = "reasoning" if m.get("reasoning") is not None else "reasoning_content"

@@ -75,12 +75,14 @@ class ChatRequest:
 # Fields of each wire format that are accepted but change nothing here (documented in docs/agents.md);
 # any field neither honoured nor listed here is refused with a 400 naming it.
 IGNORED_FIELDS = {"model", "user", "metadata", "store", "service_tier", "safety_identifier", "prompt_cache_key",
-                  "prompt_cache_retention", "stream_options"}
+                  "prompt_cache_retention", "prompt_cache_options", "stream_options",
+                  "inference_geo"}  # (Anthropic's region of inference)
 # Fields accepted only at the value that changes nothing (sampling shapers training does not assume).
 NEUTRAL_VALUES = {"frequency_penalty": (0, 0.0), "presence_penalty": (0, 0.0), "logit_bias": ({},), "include": ([],),
                   "modalities": (["text"],), "truncation": ("disabled",), "best_of": (1,), "echo": (False,),
                   "min_p": (0, 0.0), "repetition_penalty": (1, 1.0),  # (vLLM's extensions, sent for Qwen models)
-                  "verbosity": ("medium",)}  # chat's, as Responses' text.verbosity: the model is not trained to it
+                  "verbosity": ("medium",),  # chat's, as Responses' text.verbosity: the model is not trained to it
+                  "speed": ("standard",)}  # Anthropic's: "fast" asks for a faster engine than the one generating
 
 
 def fields(body: Any, honoured: set[str], api: str) -> None:
@@ -190,16 +192,34 @@ def flag(body: dict, key: str, default: bool | None = False) -> bool | None:
 
 def include_usage(body: dict) -> bool:
     """OpenAI's `stream_options.include_usage` (chat and completions): a usage chunk ends the stream."""
-    options = body.get("stream_options")
-    if options is not None and not isinstance(options, dict):
-        raise bad(f"'stream_options' must be an object, got {options!r}", "stream_options")
-    v = (options or {}).get("include_usage")
-    if (options or {}).get("continuous_usage_stats") not in (None, False):  # vLLM's (was: ignored)
+    options = stream_options(body, {"include_usage", "include_obfuscation", "continuous_usage_stats"})
+    v = options.get("include_usage")
+    if options.get("continuous_usage_stats") not in (None, False):  # vLLM's (was: ignored)
         raise bad("'stream_options.continuous_usage_stats' (usage on every chunk, vLLM's) is not served: the usage "
                   "comes once, in a last chunk, with include_usage; omit it", "stream_options.continuous_usage_stats")
     if v is not None and not isinstance(v, bool):
         raise bad(f"'stream_options.include_usage' must be a boolean, got {v!r}", "stream_options.include_usage")
     return bool(v)
+
+
+def stream_options(body: dict, served: set[str]) -> dict:
+    """`stream_options`, an object of the `served` keys (include_obfuscation, OpenAI's random padding of the events
+    against side channels on its network, changes nothing here), sent with `stream: true` only, as OpenAI and vLLM's
+    server answer (was: accepted and ignored on a plain request, which those servers refuse, and any key, a misspelt
+    one too, ignored)."""
+    options = body.get("stream_options")
+    if options is None:
+        return {}
+    if not isinstance(options, dict):
+        raise bad(f"'stream_options' must be an object, got {options!r}", "stream_options")
+    if unknown := sorted(set(options) - served):
+        raise bad(f"'stream_options' keys {unknown} are not served (served: {sorted(served)})",
+                  f"stream_options.{unknown[0]}")
+    stream = body.get("stream")  # (a stream that is no boolean: the 400 of its own check)
+    if stream is None or stream is False:
+        raise bad("'stream_options' is only allowed when 'stream' is true: it shapes a streamed reply, and a plain "
+                  "reply carries its usage anyway; omit it, or send stream: true", "stream_options")
+    return options
 
 
 def content(parts: list[dict]) -> str | list[dict]:

@@ -26,6 +26,7 @@ def parse(body: Any) -> ChatRequest:
         raise bad("'previous_response_id' is not supported: this server stores no responses; send the full input "
                   "(agent SDKs do so when store=false)", "previous_response_id")
     check.fields(body, FIELDS, "/v1/responses")
+    check.stream_options(body, {"include_obfuscation"})
     items = body.get("input")
     if not isinstance(items, (str, list)) or not items:
         raise bad("'input' must be a non-empty string or a non-empty list of items", "input")
@@ -33,9 +34,9 @@ def parse(body: Any) -> ChatRequest:
         items = [{"role": "user", "content": items}]
     canon: list[dict] = []
     instructions = body.get("instructions")
+    if instructions is not None and not isinstance(instructions, str):  # (was: a falsy one, [] or 0, taken as none)
+        raise bad(f"'instructions' must be a string, got {instructions!r}", "instructions")
     if instructions:
-        if not isinstance(instructions, str):
-            raise bad("'instructions' must be a string", "instructions")
         canon.append({"role": "system", "content": instructions})
     for i, item in enumerate(items):
         _item(item, f"input[{i}]", canon)
@@ -57,9 +58,9 @@ def parse(body: Any) -> ChatRequest:
                  for t in tools] or None
     else:
         strict = []
-    text = body.get("text") or {}
-    if not isinstance(text, dict):
-        raise bad("'text' must be an object", "text")
+    text = {} if body.get("text") is None else body["text"]
+    if not isinstance(text, dict):  # (was: a falsy one, [] or "", taken as none)
+        raise bad(f"'text' must be an object, got {text!r}", "text")
     if text.get("verbosity") not in (None, "medium") or set(text) - {"format", "verbosity"}:
         raise bad(f"'text' {text!r}: only 'format' is served ('verbosity' only at its default \"medium\": this "
                   "model is not trained to follow it, so another value would change nothing; the OpenAI Agents SDK "
@@ -94,7 +95,7 @@ def _reasoning(v: Any) -> bool | None:
 def _top_logprobs(body: dict) -> int | None:
     """Log-probs when `include` asks for them or `top_logprobs` > 0; other `include` entries (hosted tools' outputs,
     server-side images) are refused, naming them."""
-    include = body.get("include") or []
+    include = [] if body.get("include") is None else body["include"]
     if not isinstance(include, list) or not all(isinstance(x, str) for x in include):
         raise bad(f"'include' must be a list of strings, got {include!r}", "include")
     if unknown := sorted(set(include) - INCLUDE_IGNORED - {LOGPROBS}):

@@ -188,7 +188,8 @@ class ChatServer:
                                "ended; use the ctx.base_url / ctx.session_url of the running rollout",
                                code="unknown_session")
         try:
-            body = json.loads(await request.read())  # bytes: JSON's own UTF-8/16/32, whatever charset says
+            # bytes: JSON's own UTF-8/16/32, whatever charset says
+            body = json.loads(await request.read(), parse_constant=_not_json)
         except web.HTTPRequestEntityTooLarge:
             raise RequestError(413, f"request body is larger than {MAX_BODY_BYTES} bytes", code="request_too_large")
         except RecursionError:
@@ -247,6 +248,12 @@ class ChatServer:
         return resp
 
 
+def _not_json(name: str):
+    """Python's decoder reads NaN / Infinity / -Infinity, which JSON has not (was: accepted, and a body echoing them,
+    a Responses tool's schema, was sent back as no client's JSON parser but Python's reads it)."""
+    raise ValueError(f"{name} is not a JSON value (JSON has no NaN or Infinity)")
+
+
 def _model_info(model_id: str) -> dict:
     """A model object in OpenAI's fields and Anthropic's (`type`, `display_name`, `created_at`)."""
     return {"id": model_id, "object": "model", "created": 0, "owned_by": "molt_hydra", "type": "model",
@@ -257,6 +264,7 @@ def _model_info(model_id: str) -> dict:
 async def _json_errors(request: web.Request, handler):
     """Every failure as the API's JSON error: a request's own (4xx), aiohttp's plain-text 404 / 405 / 413, and any
     other exception (500, with the engine's message)."""
+    headers = {}
     try:
         return await handler(request)
     except RequestError as e:
@@ -264,7 +272,10 @@ async def _json_errors(request: web.Request, handler):
     except web.HTTPException as e:
         if e.status < 400:
             raise
-        error = RequestError(e.status, f"{e.reason}: {request.method} {request.path}", code=e.reason.lower())
+        error = RequestError(e.status, f"{e.reason}: {request.method} {request.path}",
+                             code=e.reason.lower().replace(" ", "_"))
+        if "Allow" in e.headers:  # a 405's methods the route serves, which HTTP requires it to name (was: dropped)
+            headers["Allow"] = e.headers["Allow"]
         if e.status == 404 and not request.path.startswith("/s/"):
             error.message += " (the API routes live under /s/{session_id}: use ctx.base_url / ctx.session_url)"
         elif e.status == 404 and "/judge/" in request.path:  # e.g. the Agents SDK's default Responses model
@@ -291,7 +302,7 @@ async def _json_errors(request: web.Request, handler):
     # Anthropic's routes, served or not (was: a 404 under /v1/messages/, e.g. batches, in OpenAI's shape)
     anthropic_route = request.path.endswith("/v1/messages") or "/v1/messages/" in request.path
     shape = anthropic.error if anthropic_route else openai_chat.error
-    return web.json_response(shape(error), status=error.status)
+    return web.json_response(shape(error), status=error.status, headers=headers)
 
 
 def request_error(e: Exception) -> RequestError:
