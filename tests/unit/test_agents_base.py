@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from molt_hydra.agents import Episode, Runner, Trajectory, load_runner
-from molt_hydra.agents.base import Result, apply_sampling_override, reward_and_score, scalar
+from molt_hydra.agents.base import Result, apply_sampling_override, failed_on, reward_and_score, scalar
 from molt_hydra.agents.chat_agent import ChatAgentRunner
 from molt_hydra.agents.loading import resolve_target
 from molt_hydra.agents.math_grading import _WORKERS, grade_math, last_boxed
@@ -97,7 +97,7 @@ def test_routed_experts_laid_per_token_first_writer_wins():
 
 
 def test_scalar_and_sampling_override():
-    assert scalar([0.5, 2], "r") == 0.5 and scalar(1, "r") == 1.0
+    assert scalar([0.5], "r") == 0.5 and scalar(1, "r") == 1.0
     with pytest.raises(ValueError, match="Result.reward is None"):
         scalar(None, "Result.reward")
     s = Sampling(max_tokens=8)
@@ -162,7 +162,7 @@ def test_a_sampling_override_of_good_values_is_applied():
 
 @pytest.mark.parametrize("value, expected", [
     (np.float32(0.25), 0.25), (np.int64(3), 3.0), (np.bool_(True), 1.0), (True, 1.0), (torch.tensor(0.5), 0.5),
-    (torch.tensor(True), 1.0), (torch.tensor([[0.75]]), 0.75), (np.array([0.5, 1.0]), 0.5), ((0.5,), 0.5),
+    (torch.tensor(True), 1.0), (torch.tensor([[0.75]]), 0.75), (np.array([0.5]), 0.5), ((0.5,), 0.5),
     (math.inf, math.inf)], ids=lambda v: type(v).__name__)
 def test_a_reward_of_any_numeric_kind_is_honoured(value, expected):
     """Numbers of every kind become floats (inf too: the samples generator drops it as nonfinite_reward)."""
@@ -174,6 +174,9 @@ def test_a_reward_of_any_numeric_kind_is_honoured(value, expected):
     (b"1", "is bytes b'1'"), ({"reward": 1.0}, "is dict {'reward': 1.0}"), ([[0.5]], "is list [0.5]"),
     (1 + 2j, "is complex (1+2j)"), (None, "Result.reward of GraderEnv.step is None"),
     ([], "is an empty list"), (torch.tensor([]), "is an empty Tensor"), (np.array([]), "is an empty ndarray"),
+    # (was: the first element taken, the others dropped without a word)
+    ([0.5, 1.0], "Result.reward of GraderEnv.step is a list of 2 elements; return one number for the rollout"),
+    (torch.tensor([1.0, 0.0, 1.0]), "is a Tensor of 3 elements"), (np.ones((2, 2)), "is a ndarray of 4 elements"),
     (10**400, "Result.reward of GraderEnv.step is int beyond a float's range (its magnitude over 1.8e308); return "
               "a number within it"), (-(10**5000), "is int beyond a float's range")],
     ids=lambda v: type(v).__name__)
@@ -275,7 +278,8 @@ def test_info_is_checked_for_shipping_once_per_trajectory_not_every_turn(tiny_mo
     ep = Episode(prompt="hi", sampling=Sampling(max_tokens=1), max_length=64)
     outcome = asyncio.run(StepEnvRunner(FiveTurns, {"lock_last": True}).run_group([ep], Echo(), tok))
     assert outcome.trajectories == [] and dict(outcome.failures) == {"agent_exception": 1}
-    assert outcome.errors["agent_exception"].startswith("TypeError: Result.info['h'] of FiveTurns.step is lock, ")
+    assert outcome.errors["agent_exception"].startswith(
+        "FiveTurns on prompt 'hi', label None: TypeError: Result.info['h'] of FiveTurns.step is lock, ")
 
 
 @pytest.mark.parametrize("value", [True, False, np.bool_(True), torch.tensor(False), 1, 0])
@@ -468,7 +472,8 @@ def test_a_runner_returning_no_list_of_trajectories_fails_its_rollout_naming_exe
     ep = Episode(prompt="p", sampling=Sampling(max_tokens=1), max_length=8)
     outcome = asyncio.run(Custom().run_group([ep], None, None))
     assert dict(outcome.failures) == {"agent_exception": 1}
-    assert outcome.errors["agent_exception"] == f"TypeError: Custom.execute must return a list of Trajectory, {got}"
+    assert outcome.errors["agent_exception"] == (f"Custom on prompt 'p', label None: TypeError: Custom.execute must "
+                                                 f"return a list of Trajectory, {got}")
 
 
 def _built(**fields) -> Trajectory:
@@ -501,7 +506,7 @@ def test_a_trajectory_a_runner_built_wrong_fails_its_rollout_naming_the_field(fi
     ep = Episode(prompt="p", sampling=Sampling(max_tokens=1), max_length=8)
     outcome = asyncio.run(Custom().run_group([ep], None, None))
     assert dict(outcome.failures) == {"agent_exception": 1} and outcome.trajectories == []
-    assert outcome.errors["agent_exception"].startswith(said), outcome.errors
+    assert outcome.errors["agent_exception"].startswith(f"Custom on prompt 'p', label None: {said}"), outcome.errors
 
 
 @pytest.mark.parametrize("reward, score", [(np.float32(0.5), None), (torch.tensor([0.5]), 1), (True, np.int64(1))],
@@ -517,6 +522,52 @@ def test_a_trajectory_a_runner_built_with_numbers_of_any_kind_keeps_them_as_floa
     (seg,) = asyncio.run(Custom().run_group([ep], None, None)).trajectories
     assert type(seg.reward) is float and seg.reward == float(np.asarray(reward).flatten()[0])
     assert seg.score is None if score is None else (type(seg.score) is float and seg.score == 1.0)
+
+
+def test_a_failed_rollouts_message_names_the_agent_and_its_sample():
+    """Before: the run's failure summary showed the cause alone ("KeyError: 'answer'", "the rollout ran past
+    agent.timeout_s=..."), naming neither the agent nor the row it failed on."""
+    from molt_hydra.agents.base import Env
+
+    class Grader(Env):
+        async def step(self, state):
+            return Result()
+
+    chat = [{"role": "system", "content": "Be brief."},
+            {"role": "user", "content": [{"type": "image"}, {"type": "text", "text": "What is 2+2?"}]}]
+    assert failed_on(StepEnvRunner(Grader), Episode(prompt=chat, sampling=Sampling(1), max_length=8, label={
+        "answer": "4"})) == "Grader on prompt 'What is 2+2?', label {'answer': '4'}"
+    long = Episode(prompt="Count:\n" + "1 " * 100, sampling=Sampling(1), max_length=8, label="x" * 100)
+    assert failed_on(StepEnvRunner(Grader), long) == (f"Grader on prompt {repr(long.prompt)[:57]}..., "
+                                                      f"label {repr('x' * 100)[:37]}...")  # (one line, cut short)
+
+    class Sleeper(Runner):
+        async def execute(self, episode, generator, tokenizer):
+            if episode.label == 3:
+                await asyncio.sleep(3600)
+            raise KeyError("answer")
+
+    eps = [Episode(prompt=f"p{i}", sampling=Sampling(max_tokens=1), max_length=8, label=i) for i in (3, 4)]
+    outcome = asyncio.run(Sleeper().run_group(eps, None, None, 0.2))
+    assert outcome.errors == {"agent_timeout": "Sleeper on prompt 'p3', label 3: the rollout ran past "
+                                               "agent.timeout_s=0.2",
+                              "agent_exception": "Sleeper on prompt 'p4', label 4: KeyError: 'answer'"}
+
+
+@pytest.mark.parametrize("field", ["reward", "score"])
+def test_a_nonfinite_reward_or_score_has_an_example_naming_the_agent_and_sample(field):
+    """The driver drops such a trajectory (rollout/generator.py `usable`). Before: counted as nonfinite_reward /
+    nonfinite_score, with no example error in the run's failure summary to say which agent, row or value."""
+
+    class Custom(Runner):
+        async def execute(self, episode, generator, tokenizer):
+            return [_built(**{field: math.nan if episode.label == "bad" else 1.0})]
+
+    eps = [Episode(prompt="p", sampling=Sampling(max_tokens=1), max_length=8, label=label) for label in ("ok", "bad")]
+    outcome = asyncio.run(Custom().run_group(eps, None, None))
+    assert len(outcome.trajectories) == 2 and not outcome.failures  # (the driver drops it, counted there)
+    assert outcome.errors == {f"nonfinite_{field}": f"Custom on prompt 'p', label 'bad': its {field} is nan; return "
+                                                    "a finite number"}
 
 
 def test_an_agent_calling_sys_exit_fails_its_rollout_only():
@@ -538,7 +589,7 @@ def test_an_agent_calling_sys_exit_fails_its_rollout_only():
 
     first, second = asyncio.run(group_then_another())
     assert dict(first.failures) == {"agent_exception": 1, "empty_session": 1}
-    assert first.errors["agent_exception"] == "SystemExit: the grader gave up"
+    assert first.errors["agent_exception"] == "Exiting on prompt 'p', label 'exit': SystemExit: the grader gave up"
     assert dict(second.failures) == {"empty_session": 1}
 
 
@@ -558,7 +609,8 @@ def test_an_agent_raising_cancelled_error_fails_its_rollout_only_and_a_real_canc
            for label in ("cancel", "ok")]
     outcome = asyncio.run(Cancelling().run_group(eps, None, None, 5))
     assert dict(outcome.failures) == {"agent_exception": 1, "empty_session": 1}
-    assert outcome.errors["agent_exception"] == "CancelledError: an inner task was cancelled"
+    assert outcome.errors["agent_exception"] == (
+        "Cancelling on prompt 'p', label 'cancel': CancelledError: an inner task was cancelled")
 
     async def cancelled_from_outside():
         hang = Episode(prompt="p", sampling=Sampling(max_tokens=1), max_length=8, label="hang")
@@ -631,7 +683,8 @@ def test_an_empty_text_prompt_fails_its_rollout_naming_the_env_and_the_fix(tiny_
     outcome = asyncio.run(StepEnvRunner(OneTurn).run_group(eps, Engine(), AutoTokenizer.from_pretrained(tiny_model)))
     assert len(outcome.trajectories) == 1 and dict(outcome.failures) == {"agent_exception": 1}
     assert outcome.errors["agent_exception"] == (
-        "ValueError: the first prompt of OneTurn is empty text (the row's prompt, or what reset returned as "
+        "OneTurn on prompt '', label None: ValueError: the first prompt of OneTurn is empty text (the row's prompt, "
+        "or what reset returned as "
         "'observation'): nothing to generate from. Fix: give the row a prompt, or set data.apply_chat_template=true "
         "to render it as a user message")
 
@@ -1008,8 +1061,9 @@ def test_sys_exit_in_a_task_of_agent_code_fails_its_rollouts_and_the_runner_goes
         for label, expected in (("exit", "agent_exception"), ("exit", "agent_exception"), ("ok", "empty_session")):
             group = actor.run_group({"prompt": "p", "label": label}, 2, Sampling(max_tokens=4))
             assert asyncio.run(asyncio.wait_for(group, 10)) == [(None, expected)] * 2, label
-        assert actor.example_errors() == {"agent_exception": "SystemExit: the grader gave up",
-                                          "empty_session": "the agent returned no generated token"}
+        assert actor.example_errors() == {
+            "agent_exception": "AgentRunner on prompt 'p', label 'exit': SystemExit: the grader gave up",
+            "empty_session": "AgentRunner on prompt 'p', label 'ok': the agent returned no generated token"}
     finally:
         actor.agent_loop.call_soon_threadsafe(actor.agent_loop.stop)
 
