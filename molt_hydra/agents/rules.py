@@ -102,10 +102,16 @@ def _runner_calls_fit(problems: Problems, cls: type) -> None:
     and the fix. A plain decorator's wrapper (functools.wraps) of an `async def` returns its coroutine: taken (was:
     refused as "a plain function", telling the author to write the `async def` they had written)."""
     for base, name, args, awaited in CALLED:
-        method = getattr(cls, name, None) if issubclass(cls, base) else None
-        if method is None:
+        if not issubclass(cls, base):
             continue
-        if not callable(method):  # (a property, a value: was a TypeError traceback out of validation)
+        method = getattr(cls, name, None)
+        if name in getattr(cls, "__abstractmethods__", ()):  # (was, a Runner's: passed, its runners failed to start;
+            # an Env's / ChatAgent's: "Can't instantiate abstract class", told to fix the agent.runner kwargs)
+            problems.check(False, "agent.runner._target_", f"{cls.__name__} does not define {name}, which the runner "
+                           f"calls (the {base.__name__} contract).",
+                           f"define `{'async def' if awaited else 'def'} {name}(self, {args})` in {cls.__name__}")
+            continue
+        if not callable(method):  # (a property, a value, None: was a TypeError traceback out of validation)
             problems.check(False, "agent.runner._target_", f"{cls.__name__}.{name} is a {type(method).__name__}, "
                            f"not a method, but the runner calls it (the {base.__name__} contract).",
                            f"declare it `{'async def' if awaited else 'def'} {name}(self, {args})`")
