@@ -60,7 +60,14 @@ def grade_math(response: str, label, require_boxed: bool = True, timeout_s: floa
     with `require_boxed=False`, math-verify's own extraction of the response's last answer is graded. A dict label
     is unwrapped (`answer_of`); a list label is the answer tuple ("2, 3"; math-verify compares it as a set). A
     missing label is an error, not a grade: the string fallback below would reward an empty \\boxed{} against ""
-    and \\boxed{None} against None. A comparison past `timeout_s` is 0.0."""
+    and \\boxed{None} against None. A comparison past `timeout_s` is 0.0. A response of None (an OpenAI message's
+    content when the reply was tool calls alone) has no answer: 0.0 (was: a TypeError out of the regex, which dropped
+    each such rollout as agent_exception instead of scoring it)."""
+    if response is None:
+        response = ""
+    elif not isinstance(response, str):
+        raise TypeError(f"grade_math: the response is {type(response).__name__} {response!r:.60}, not text; pass the "
+                        "reply's text (e.g. message.content)")
     given, label = label, answer_of(label)
     if isinstance(label, (list, tuple)):  # str() would give "['2', '3']", which matches no answer
         label = ", ".join(map(str, label))

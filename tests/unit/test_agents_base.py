@@ -315,6 +315,17 @@ def test_math_grading():
             grade_math(response, label)
 
 
+def test_a_response_of_none_is_graded_as_no_answer_and_one_of_another_type_is_named():
+    """An OpenAI message's content is None when the reply was tool calls alone (an agent's last turn). Before:
+    "expected string or bytes-like object, got 'NoneType'" out of the regex, dropping each such rollout as
+    agent_exception instead of scoring it 0.0; any other type raised the same message, naming nothing."""
+    assert grade_math(None, "5") == 0.0 and grade_math(None, "5", require_boxed=False) == 0.0
+    with pytest.raises(TypeError, match=r"grade_math: the response is dict \{'content': '5'\}, not text"):
+        grade_math({"content": "5"}, "5")
+    with pytest.raises(ValueError, match="no label to grade against"):  # (the label is still checked)
+        grade_math(None, None)
+
+
 def test_a_box_written_with_a_space_is_graded_as_a_box():
     """LaTeX takes `\\boxed {5}`, and math-verify and the MATH benchmark's grader read `$\\boxed 5$`. Before: neither
     was found (last_boxed None), so a right answer in either form was graded 0.0, as if unboxed."""
