@@ -44,12 +44,26 @@ def _target(problems: Problems, runner) -> type | None:
         return None
     except Exception as e:  # noqa: BLE001 -- any failure to import user code is a config error here
         problems.check(False, "agent.runner._target_", f"cannot import {target!r} ({type(e).__name__}: "
-                       f"{str(e).splitlines()[0][:200] if str(e) else ''}).", TARGET_FIX)
+                       f"{str(e).splitlines()[0][:200] if str(e) else ''}).", _local_module_fix(target, e))
         return None
     ok = isinstance(obj, type) and issubclass(obj, (Runner, Env, ChatAgent))
     problems.check(ok, "agent.runner._target_", f"{target!r} is {obj!r}, not an Env, ChatAgent or Runner subclass.",
                    TARGET_FIX)
     return obj if isinstance(obj, type) else None
+
+
+def _local_module_fix(target: str, error: Exception) -> str:
+    """The fix for a target that did not import: where its dotted path names a module file of the working directory
+    (`my_agents.MyEnv` beside my_agents.py), which is not on the import path of `molt-run` (nor of the agent runners),
+    that file's target (was: the generic fix alone, the user left to guess why a file they can see was not found)."""
+    module, _, name = target.rpartition(".")
+    missing = getattr(error, "name", None) if isinstance(error, ModuleNotFoundError) else None
+    if missing and module and (module == missing or module.startswith(missing + ".")):
+        file = module.replace(".", os.sep) + ".py"
+        if os.path.isfile(file):
+            return (f"name it by its file, agent.runner._target_={file}:{name} ({missing} is not on the import path "
+                    "here), or install its package")
+    return TARGET_FIX
 
 
 def _kwarg_problems(problems: Problems, cls, kwargs: dict) -> None:

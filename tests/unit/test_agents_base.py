@@ -411,6 +411,30 @@ def test_an_agent_file_that_exits_when_imported_is_a_config_error_naming_the_tar
         "settings as agent.runner.* kwargs"]
 
 
+def test_a_dotted_target_naming_a_file_of_the_working_directory_is_told_to_name_the_file(tmp_path, monkeypatch):
+    """`my_agents.MyEnv` beside my_agents.py: `molt-run` (a console script) has not the working directory on its
+    import path. Before: the generic fix alone ("set agent.runner._target_ to pkg.module.Name or ..."), the user left
+    to guess why a file they can see was not found."""
+    from molt_hydra.agents.rules import TARGET_FIX, _target
+    from molt_hydra.config.validate import Problems
+
+    (tmp_path / "pkg").mkdir()
+    for name in ("my_agents.py", "pkg/agent.py"):
+        (tmp_path / name).write_text("from molt_hydra.agents import Env\nclass MyEnv(Env):\n    pass\n")
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setattr(sys, "path", [p for p in sys.path if p not in ("", ".", str(tmp_path))])
+    for target, missing, file in (("my_agents.MyEnv", "my_agents", "my_agents.py"),
+                                  ("pkg.agent.MyEnv", "pkg", "pkg/agent.py")):
+        problems = Problems()
+        assert _target(problems, {"_target_": target}) is None
+        assert problems.lines == [f"- agent.runner._target_: cannot import {target!r} (ModuleNotFoundError: No module "
+                                  f"named {missing!r}). Fix: name it by its file, agent.runner._target_={file}:MyEnv "
+                                  f"({missing} is not on the import path here), or install its package"]
+    problems = Problems()  # no such file here: the generic fix
+    _target(problems, {"_target_": "nothere.MyEnv"})
+    assert problems.lines[0].endswith(f"Fix: {TARGET_FIX}")
+
+
 def test_an_env_file_a_runner_imports_that_exits_is_a_config_error_naming_the_target(tmp_path):
     """The same through a StepEnvRunner that imports its `env=` file as it is built (agents/rules.py `_built`). Before:
     molt-run ended without a word (exit 2, the file's own code)."""
