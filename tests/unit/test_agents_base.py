@@ -980,7 +980,8 @@ def test_the_runner_process_counts_a_runner_whose_own_run_group_raises_and_marks
     try:
         assert asyncio.run(actor.run_group({"prompt": "p"}, 2, Sampling(max_tokens=4))) == [
             (None, "agent_exception")] * 2
-        assert actor.example_errors() == {"agent_exception": "AgentRunner.run_group raised RuntimeError: my "
+        assert actor.example_errors() == {"agent_exception": "AgentRunner on prompt 'p', label None: "
+                                                              "AgentRunner.run_group raised RuntimeError: my "
                                                               "batching broke"}
     finally:
         actor.agent_loop.call_soon_threadsafe(actor.agent_loop.stop)
@@ -1018,7 +1019,7 @@ def test_a_group_past_its_timeout_is_told_as_a_blocked_loop_only_where_the_loop_
     try:
         assert asyncio.run(actor.run_group({"prompt": "p"}, 2, Sampling(max_tokens=4))) == [
             (None, "agent_timeout")] * 2
-        assert actor.example_errors() == {"agent_timeout": cause}
+        assert actor.example_errors() == {"agent_timeout": f"AgentRunner on prompt 'p', label None: {cause}"}
     finally:
         actor.agent_loop.call_soon_threadsafe(actor.agent_loop.stop)
 
@@ -1044,7 +1045,8 @@ def test_why_groups_outlived_agent_timeout_s_is_probed_once_per_runner(tiny_mode
             assert asyncio.run(actor.run_group({"prompt": "p"}, 2, Sampling(max_tokens=4))) == [
                 (None, "agent_timeout")] * 2
         assert len(submitted) == 1  # the first group's probe only
-        assert actor.example_errors()["agent_timeout"].startswith("agent code went on past agent.timeout_s=1, ")
+        assert actor.example_errors()["agent_timeout"].startswith(
+            "ToyEnv on prompt 'p', label None: agent code went on past agent.timeout_s=1, ")
     finally:
         actor.agent_loop.call_soon_threadsafe(actor.agent_loop.stop)
 
