@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import difflib
 import inspect
+from collections.abc import Sequence
 import os
 import re
 
@@ -64,6 +65,24 @@ def _local_module_fix(target: str, error: Exception) -> str:
             return (f"name it by its file, agent.runner._target_={file}:{name} ({missing} is not on the import path "
                     "here), or install its package")
     return TARGET_FIX
+
+
+def _nested_targets(problems: Problems, cls: type, value, key: str) -> None:
+    """A kwarg holding its own `_target_` (Hydra's nested instantiation) is passed to the agent as the dict it is: the
+    loader builds the agent.runner target alone. Was: taken, and every rollout failed inside the agent on the dict
+    (`'dict' object has no attribute 'grade'`); refused here, naming the key."""
+    if hasattr(value, "items"):
+        if "_target_" in value and key != "agent.runner":
+            problems.check(False, key, f"holds a '_target_' ({value['_target_']!r}), but the agent's kwargs reach "
+                           f"{cls.__name__} as they are: it would get this dict, not the object it names (only "
+                           "agent.runner._target_ is built).", f"give {cls.__name__} plain kwargs and build the object "
+                           "in its constructor (e.g. resolve the class with molt_hydra.agents.targets.resolve_target)")
+            return
+        for name, inner in value.items():
+            _nested_targets(problems, cls, inner, f"{key}.{name}")
+    elif isinstance(value, Sequence) and not isinstance(value, (str, bytes)):  # (a list, an OmegaConf ListConfig)
+        for at, inner in enumerate(value):
+            _nested_targets(problems, cls, inner, f"{key}[{at}]")
 
 
 def _kwarg_problems(problems: Problems, cls, kwargs: dict) -> None:
@@ -169,6 +188,7 @@ def check_agent(cfg: RunConfig, problems: Problems) -> None:
         return
     _chat_settings_read(cfg, problems, cls)
     spec, before = {k: v for k, v in cfg.agent.runner.items() if k != "_target_"}, len(problems.lines)
+    _nested_targets(problems, cls, spec, "agent.runner")
     _kwarg_problems(problems, cls, spec)
     if len(problems.lines) > before:
         return

@@ -435,6 +435,38 @@ def test_a_dotted_target_naming_a_file_of_the_working_directory_is_told_to_name_
     assert problems.lines[0].endswith(f"Fix: {TARGET_FIX}")
 
 
+def test_a_kwarg_holding_its_own_target_is_refused_naming_it(tmp_path):
+    """Hydra's nested instantiation (`agent.runner.grader={_target_: ..., scale: 2}`) is not what the agent loader
+    does: the Env got the dict. Before: validation passed and every rollout failed inside the Env ("'dict' object
+    has no attribute 'grade'")."""
+    from omegaconf import OmegaConf
+
+    from molt_hydra.agents.rules import check_agent
+    from molt_hydra.config.schema import RunConfig
+    from molt_hydra.config.validate import Problems
+
+    (tmp_path / "graded.py").write_text(
+        "from molt_hydra.agents import Env, Result\nclass Grader:\n    def __init__(self, scale=1.0):\n"
+        "        self.scale = scale\nclass GradedEnv(Env):\n    def __init__(self, grader=None, graders=()):\n"
+        "        self.grader = grader\n    async def step(self, state):\n"
+        "        return Result(reward=self.grader.scale)\n")
+    grader = {"_target_": f"{tmp_path / 'graded.py'}:Grader", "scale": 2.0}
+    for kwargs, key in (({"grader": grader}, "agent.runner.grader"),
+                        ({"graders": OmegaConf.create([{"scale": 1}, grader])}, "agent.runner.graders[1]")):
+        cfg, problems = RunConfig(), Problems()
+        cfg.agent.runner = {"_target_": f"{tmp_path / 'graded.py'}:GradedEnv", **kwargs}
+        check_agent(cfg, problems)
+        assert problems.lines == [
+            f"- {key}: holds a '_target_' ({grader['_target_']!r}), but the agent's kwargs reach GradedEnv as they "
+            "are: it would get this dict, not the object it names (only agent.runner._target_ is built). Fix: give "
+            "GradedEnv plain kwargs and build the object in its constructor (e.g. resolve the class with "
+            "molt_hydra.agents.targets.resolve_target)"]
+    cfg, problems = RunConfig(), Problems()  # plain dicts and lists of them pass
+    cfg.agent.runner = {"_target_": f"{tmp_path / 'graded.py'}:GradedEnv", "grader": {"scale": 2.0}}
+    check_agent(cfg, problems)
+    assert problems.lines == []
+
+
 def test_an_env_file_a_runner_imports_that_exits_is_a_config_error_naming_the_target(tmp_path):
     """The same through a StepEnvRunner that imports its `env=` file as it is built (agents/rules.py `_built`). Before:
     molt-run ended without a word (exit 2, the file's own code)."""
