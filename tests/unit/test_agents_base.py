@@ -326,6 +326,32 @@ def test_a_response_of_none_is_graded_as_no_answer_and_one_of_another_type_is_na
         grade_math(None, None)
 
 
+def test_a_math_worker_that_dies_grading_is_replaced_and_the_answer_graded_again(monkeypatch, tmp_path, caplog):
+    """A worker that dies mid-grade (the OOM killer, a crash). Before: graded 0.0 as a timed-out comparison is,
+    without a word: a right answer scored as wrong. Now the answer is graded again in a fresh worker; one that kills
+    its worker twice is graded 0.0 with a warning naming it."""
+    from molt_hydra.agents import math_grading
+
+    died = tmp_path / "died"  # (a stand-in worker: the first one dies on its answer, later ones say "equal")
+    monkeypatch.setattr(math_grading, "_WORKER", f"import json, os, sys\nprint('ready', flush=True)\n"
+                        f"for line in sys.stdin:\n    if not os.path.exists({str(died)!r}):\n"
+                        f"        open({str(died)!r}, 'w').close()\n        sys.exit(3)\n"
+                        "    print(json.dumps([True, True, True]), flush=True)\n")
+    monkeypatch.setattr(math_grading, "_WORKERS", math_grading._Workers())
+    with caplog.at_level("WARNING", logger=math_grading.__name__):
+        assert grade_math(r"\boxed{5}", "5") == 1.0
+    assert caplog.messages == ["grade_math: the math-verify worker died (exit code 3) grading '$5$' against '$5$'; "
+                               "grading it again"]
+    monkeypatch.setattr(math_grading, "_WORKER", "import sys\nprint('ready', flush=True)\nsys.stdin.readline()\n"
+                                                 "sys.exit(3)\n")  # (every worker dies on it)
+    monkeypatch.setattr(math_grading, "_WORKERS", math_grading._Workers())
+    caplog.clear()
+    with caplog.at_level("WARNING", logger=math_grading.__name__):
+        assert grade_math(r"\boxed{5}", "5") == 0.0
+    assert caplog.messages[-1] == ("grade_math: the math-verify worker died (exit code 3) grading '$5$' against "
+                                   "'$5$' a second time: graded 0.0, as a comparison past its deadline is")
+
+
 def test_a_box_written_with_a_space_is_graded_as_a_box():
     """LaTeX takes `\\boxed {5}`, and math-verify and the MATH benchmark's grader read `$\\boxed 5$`. Before: neither
     was found (last_boxed None), so a right answer in either form was graded 0.0, as if unboxed."""
