@@ -75,8 +75,9 @@ def _nested_targets(problems: Problems, cls: type, value, key: str) -> None:
         if "_target_" in value and key != "agent.runner":
             problems.check(False, key, f"holds a '_target_' ({value['_target_']!r}), but the agent's kwargs reach "
                            f"{cls.__name__} as they are: it would get this dict, not the object it names (only "
-                           "agent.runner._target_ is built).", f"give {cls.__name__} plain kwargs and build the object "
-                           "in its constructor (e.g. resolve the class with molt_hydra.agents.targets.resolve_target)")
+                           "agent.runner._target_ is built).", f"give {cls.__name__} the class as a string kwarg and "
+                           "its settings as plain kwargs, and build the object in its constructor "
+                           "(molt_hydra.agents.targets.resolve_target resolves the string)")
             return
         for name, inner in value.items():
             _nested_targets(problems, cls, inner, f"{key}.{name}")

@@ -485,8 +485,8 @@ def test_a_kwarg_holding_its_own_target_is_refused_naming_it(tmp_path):
         assert problems.lines == [
             f"- {key}: holds a '_target_' ({grader['_target_']!r}), but the agent's kwargs reach GradedEnv as they "
             "are: it would get this dict, not the object it names (only agent.runner._target_ is built). Fix: give "
-            "GradedEnv plain kwargs and build the object in its constructor (e.g. resolve the class with "
-            "molt_hydra.agents.targets.resolve_target)"]
+            "GradedEnv the class as a string kwarg and its settings as plain kwargs, and build the object in its "
+            "constructor (molt_hydra.agents.targets.resolve_target resolves the string)"]
     cfg, problems = RunConfig(), Problems()  # plain dicts and lists of them pass
     cfg.agent.runner = {"_target_": f"{tmp_path / 'graded.py'}:GradedEnv", "grader": {"scale": 2.0}}
     check_agent(cfg, problems)
