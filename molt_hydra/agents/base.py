@@ -39,6 +39,8 @@ AGENT_TIMEOUT = "agent_timeout"
 EMPTY_SESSION = "empty_session"
 # the engines failed the rollout's generation (rollout/generation.py EngineFailure): not the agent's fault
 ENGINE_ABORTED = "engine_aborted"
+# a NaN / inf reward or score: the driver drops the trajectory (rollout/generator.py `usable`); named here
+NONFINITE = {"reward": "nonfinite_reward", "score": "nonfinite_score"}
 
 
 class GenerationAborted(EngineFailure):
@@ -50,7 +52,7 @@ class GenerationAborted(EngineFailure):
 class Result:
     """What `Env.step` and `ChatAgent.run` return (same fields and defaults as Molt's)."""
 
-    reward: Any = 0.0  # float, or a 1-element tensor / list (first element taken)
+    reward: Any = 0.0  # float, or a 1-element tensor / list (its element; more elements are an error)
     observation: str = ""  # step runner: next-turn feedback text, appended as tokens
     terminated: bool = True  # episode ended naturally (default: single turn)
     truncated: bool = False  # cut off externally
@@ -61,8 +63,10 @@ class Result:
 
 
 def scalar(value: Any, what: str) -> float:
-    """A reward/score as float: a number (a bool, a numpy scalar), a tensor / array or a list / tuple (its first
-    element). Anything else (None, a string, a dict, an empty sequence) is an error naming `what` and the value."""
+    """A reward/score as float: a number (a bool, a numpy scalar), a one-element tensor / array or list / tuple (its
+    element). Anything else (None, a string, a dict, an empty sequence, or one of several elements: was, its first
+    taken without a word, so rewards per turn or per sample trained on the first alone) is an error naming `what`
+    and the value."""
     if value is None:
         raise ValueError(f"{what} is None; return a number")
     _not_awaited(value, f"{what} is")
@@ -71,6 +75,9 @@ def scalar(value: Any, what: str) -> float:
     if hasattr(value, "flatten") or isinstance(value, (list, tuple)):
         if len(value) == 0:
             raise ValueError(f"{what} is an empty {type(value).__name__}; return a number")
+        if len(value) > 1:
+            raise ValueError(f"{what} is a {type(value).__name__} of {len(value)} elements; return one number for the "
+                             "rollout (a float, or a one-element list or tensor)")
         value = value[0]
     if hasattr(value, "item") and not isinstance(value, (str, bytes)):  # a tensor / numpy element
         value = value.item()
@@ -416,6 +423,10 @@ class Runner(ABC):
                 outcome.errors.setdefault(reason, error)
             for seg in segments:
                 seg.group_id, seg.rollout_id = episode.group_id, episode.rollout_id
+                for name, reason in NONFINITE.items():  # (was: dropped by the driver with no example message)
+                    if (value := getattr(seg, name)) is not None and not math.isfinite(value):
+                        outcome.errors.setdefault(reason, f"{failed_on(self, episode)}: its {name} is {value}; "
+                                                          "return a finite number")
             outcome.trajectories.extend(segments)
         return outcome
 
@@ -438,17 +449,38 @@ class Runner(ABC):
             # its whole group.
             if isinstance(e, asyncio.CancelledError) and asyncio.current_task().cancelling():
                 raise  # this rollout really is being cancelled
+            who = failed_on(self, episode)
             if isinstance(e, TimeoutError) and deadline.expired():  # ours, not a TimeoutError the agent raised
-                log.warning("rollout %s: agent exceeded timeout_s=%s", episode.rollout_id, timeout_s)
-                return [], AGENT_TIMEOUT, f"the rollout ran past agent.timeout_s={timeout_s}"
+                log.warning("rollout %s (%s): agent exceeded timeout_s=%s", episode.rollout_id, who, timeout_s)
+                return [], AGENT_TIMEOUT, f"{who}: the rollout ran past agent.timeout_s={timeout_s}"
             if isinstance(e, EngineFailure):  # the engines', raised through the agent's generation calls
-                log.warning("rollout %s: %s", episode.rollout_id, e)
-                return [], ENGINE_ABORTED, str(e)
-            log.exception("rollout %s: agent raised", episode.rollout_id)
-            return [], AGENT_EXCEPTION, f"{type(e).__name__}: {e}"
+                log.warning("rollout %s (%s): %s", episode.rollout_id, who, e)
+                return [], ENGINE_ABORTED, f"{who}: {e}"
+            log.exception("rollout %s (%s): agent raised", episode.rollout_id, who)
+            return [], AGENT_EXCEPTION, f"{who}: {type(e).__name__}: {e}"
         if not any(seg.num_generated for seg in segments):
-            return [], EMPTY_SESSION, "the agent returned no generated token"
+            return [], EMPTY_SESSION, f"{failed_on(self, episode)}: the agent returned no generated token"
         return segments, None, ""
 
     async def close(self) -> None:
         """Release per-process resources (the chat server)."""
+
+
+def failed_on(runner: Runner, episode: Episode) -> str:
+    """The agent and the sample a failed rollout ran, as its failure message starts: the Env / ChatAgent class (a
+    Runner's own: the Runner), the prompt (of chat messages, the last user text) and the label, each cut short. Was:
+    the cause alone ("KeyError: 'answer'"), naming neither the agent nor the row it failed on."""
+    agent = getattr(runner, "env_cls", None) or getattr(runner, "agent_cls", None) or type(runner)
+    prompt = episode.prompt
+    if isinstance(prompt, list):  # chat messages: the last user turn's text
+        last = next((m.get("content") for m in reversed(prompt) if isinstance(m, dict) and m.get("role") == "user"),
+                    "")
+        prompt = last if not isinstance(last, list) else " ".join(
+            p["text"] for p in last if isinstance(p, dict) and isinstance(p.get("text"), str) and p["text"])
+    return f"{getattr(agent, '__name__', agent)} on prompt {_cut(prompt)}, label {_cut(episode.label, 40)}"
+
+
+def _cut(value: Any, most: int = 60) -> str:
+    """`value`'s repr on one line, at most `most` characters."""
+    shown = " ".join(repr(value).split())
+    return shown if len(shown) <= most else shown[: most - 3] + "..."

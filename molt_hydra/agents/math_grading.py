@@ -10,6 +10,7 @@ start on first use, at most MAX_WORKERS at once, and are reused; an idle one exi
 from __future__ import annotations
 
 import json
+import logging
 import os
 import re
 import select
@@ -17,6 +18,7 @@ import subprocess
 import sys
 import threading
 
+log = logging.getLogger(__name__)
 # `\boxed{5}`, `\boxed {5}` (LaTeX takes a space before the brace) and `\boxed 5` (the argument up to `$` or line end)
 _BOXED = re.compile(r"\\(?:boxed|fbox)(?:\s*(?=\{)|[ \t]+(?=[^\s${}]))")
 GRADE_TIMEOUT_S = 10.0  # math-verify's own defaults: 5 s to parse, 5 s to verify
@@ -60,7 +62,14 @@ def grade_math(response: str, label, require_boxed: bool = True, timeout_s: floa
     with `require_boxed=False`, math-verify's own extraction of the response's last answer is graded. A dict label
     is unwrapped (`answer_of`); a list label is the answer tuple ("2, 3"; math-verify compares it as a set). A
     missing label is an error, not a grade: the string fallback below would reward an empty \\boxed{} against ""
-    and \\boxed{None} against None. A comparison past `timeout_s` is 0.0."""
+    and \\boxed{None} against None. A comparison past `timeout_s` is 0.0. A response of None (an OpenAI message's
+    content when the reply was tool calls alone) has no answer: 0.0 (was: a TypeError out of the regex, which dropped
+    each such rollout as agent_exception instead of scoring it)."""
+    if response is None:
+        response = ""
+    elif not isinstance(response, str):
+        raise TypeError(f"grade_math: the response is {type(response).__name__} {response!r:.60}, not text; pass the "
+                        "reply's text (e.g. message.content)")
     given, label = label, answer_of(label)
     if isinstance(label, (list, tuple)):  # str() would give "['2', '3']", which matches no answer
         label = ", ".join(map(str, label))
@@ -105,20 +114,29 @@ class _Workers:
         self.lock, self.slots = threading.Lock(), threading.BoundedSemaphore(MAX_WORKERS)
 
     def run(self, gold: str, pred: str, timeout_s: float) -> list | None:
-        """The worker's verdict, or None past `timeout_s` (that worker is killed)."""
+        """The worker's verdict, or None past `timeout_s` (that worker is killed). A worker that dies grading (a crash,
+        the OOM killer) is replaced and the answer graded again, once; one that dies on it twice is the answer's doing
+        (a C-level abort on it): None, with a warning naming it. Was: None at the first death, without a word, so a
+        right answer was graded 0.0 whenever the OOM killer took its worker."""
         with self.slots:
-            with self.lock:
-                proc = self.idle.pop() if self.idle else None
-            if proc is None or proc.poll() is not None:  # none idle, or that one died while idle (OOM killer...)
-                proc = self._start()
-            proc.stdin.write(json.dumps([gold, pred]) + "\n")
-            proc.stdin.flush()
-            line = self._line(proc, timeout_s)
-            if line is None:
-                return None
-            with self.lock:
-                self.idle.append(proc)
-            return json.loads(line)
+            for attempt in (1, 2):
+                with self.lock:
+                    proc = self.idle.pop() if self.idle else None
+                if proc is None or proc.poll() is not None:  # none idle, or that one died while idle (OOM killer...)
+                    proc = self._start()
+                proc.stdin.write(json.dumps([gold, pred]) + "\n")
+                proc.stdin.flush()
+                line = self._line(proc, timeout_s)
+                if line is None:
+                    return None
+                if line:
+                    with self.lock:
+                        self.idle.append(proc)
+                    return json.loads(line)
+                log.warning("grade_math: the math-verify worker died (exit code %s) grading %.80r against %.40r%s",
+                            proc.returncode, pred, gold, "; grading it again" if attempt == 1 else
+                            " a second time: graded 0.0, as a comparison past its deadline is")
+        return None
 
     def _start(self) -> subprocess.Popen:
         proc = subprocess.Popen([sys.executable, "-c", _WORKER], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
@@ -130,9 +148,13 @@ class _Workers:
 
     @staticmethod
     def _line(proc: subprocess.Popen, timeout_s: float) -> str | None:
-        """The worker's next output line, or None (the worker killed) when none comes within `timeout_s`."""
-        if select.select([proc.stdout], [], [], timeout_s)[0] and (line := proc.stdout.readline()):
-            return line.strip()
+        """The worker's next output line; "" when it ended (it died); None (the worker killed) when none comes within
+        `timeout_s`."""
+        if select.select([proc.stdout], [], [], timeout_s)[0]:
+            if line := proc.stdout.readline():
+                return line.strip()
+            proc.wait()
+            return ""
         proc.kill()
         proc.wait()
         return None

@@ -56,7 +56,14 @@ if {block}:
 del _no_network
 _code = sys.stdin.buffer.read().decode("utf-8", "surrogatepass")  # the code as the agent's str holds it
 sys.stdin = open("/dev/null")
-exec(compile(_code, "<code>", "exec"), {{"__name__": "__main__"}})
+try:
+    exec(compile(_code, "<code>", "exec"), {{"__name__": "__main__"}})
+except (SystemExit, KeyboardInterrupt):
+    raise
+except BaseException as _e:  # the traceback of the code's own frames: not this bootstrap's line, which it never wrote
+    _e.__traceback__ = _e.__traceback__.tb_next  # (the hook prints the exception's own traceback)
+    sys.excepthook(type(_e), _e, _e.__traceback__)
+    sys.exit(1)
 """
 
 
@@ -108,15 +115,33 @@ class ExecutionResult:
     output_truncated: bool
     sandbox: str = ""
     "`bwrap` or `rlimits`: which mechanism ran the call."
+    limits: SandboxLimits | None = None
+    "The limits it ran under (named in `as_observation`)."
 
     @property
     def ok(self) -> bool:
         return self.exit_code == 0 and not self.timed_out
 
     def as_observation(self) -> str:
-        """The text an agent feeds back to the model."""
-        tail = "\nTimeoutError: execution exceeded the time limit" if self.timed_out else "" if self.ok else self.stderr
-        return (self.stdout + tail).strip()
+        """The text an agent feeds back to the model: stdout, then why the call failed, and that its output was cut
+        (was: a cut output, and a process killed by a signal or exiting non-zero without a word on stderr, read as
+        the whole output of a call that succeeded)."""
+        limits = self.limits or SandboxLimits()
+        tail = (f"\nTimeoutError: execution exceeded the time limit of {limits.timeout_s:g} s" if self.timed_out
+                else "" if self.ok else self.stderr if self.stderr.strip() else f"\n{self._ended()}")
+        cut = (f"\n[output truncated: stdout and stderr are each cut at {limits.max_output_bytes} bytes]"
+               if self.output_truncated else "")
+        return (self.stdout + tail).strip() + cut
+
+    def _ended(self) -> str:
+        """How a process that failed without a word on stderr ended: its exit code, or the signal that killed it
+        (negative under the rlimits fallback, as Popen reports it; 128 + the signal under bwrap, as it reports it)."""
+        code = self.exit_code
+        number = -code if code < 0 else code - 128 if self.sandbox == "bwrap" and code > 128 else None
+        try:
+            return f"Process killed by signal {signal.Signals(number).name} (exit code {code})"
+        except ValueError:  # no signal of that number (or none: a plain exit code)
+            return f"Process exited with code {code}"
 
 
 @functools.cache
@@ -304,7 +329,7 @@ async def _communicate(proc, code: str, limits: SandboxLimits, sandbox: str) -> 
         _kill_group(proc.pid)
         raise
     return ExecutionResult(out.decode(errors="replace"), err.decode(errors="replace"),
-                           None if timed_out else proc.returncode, timed_out, truncated, sandbox)
+                           None if timed_out else proc.returncode, timed_out, truncated, sandbox, limits)
 
 
 def _kill_group(pid: int) -> None:

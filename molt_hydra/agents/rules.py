@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import difflib
 import inspect
+from collections.abc import Sequence
 import os
 import re
 
@@ -44,12 +45,45 @@ def _target(problems: Problems, runner) -> type | None:
         return None
     except Exception as e:  # noqa: BLE001 -- any failure to import user code is a config error here
         problems.check(False, "agent.runner._target_", f"cannot import {target!r} ({type(e).__name__}: "
-                       f"{str(e).splitlines()[0][:200] if str(e) else ''}).", TARGET_FIX)
+                       f"{str(e).splitlines()[0][:200] if str(e) else ''}).", _local_module_fix(target, e))
         return None
     ok = isinstance(obj, type) and issubclass(obj, (Runner, Env, ChatAgent))
     problems.check(ok, "agent.runner._target_", f"{target!r} is {obj!r}, not an Env, ChatAgent or Runner subclass.",
                    TARGET_FIX)
     return obj if isinstance(obj, type) else None
+
+
+def _local_module_fix(target: str, error: Exception) -> str:
+    """The fix for a target that did not import: where its dotted path names a module file of the working directory
+    (`my_agents.MyEnv` beside my_agents.py), which is not on the import path of `molt-run` (nor of the agent runners),
+    that file's target (was: the generic fix alone, the user left to guess why a file they can see was not found)."""
+    module, _, name = target.rpartition(".")
+    missing = getattr(error, "name", None) if isinstance(error, ModuleNotFoundError) else None
+    if missing and module and (module == missing or module.startswith(missing + ".")):
+        file = module.replace(".", os.sep) + ".py"
+        if os.path.isfile(file):
+            return (f"name it by its file, agent.runner._target_={file}:{name} ({missing} is not on the import path "
+                    "here), or install its package")
+    return TARGET_FIX
+
+
+def _nested_targets(problems: Problems, cls: type, value, key: str) -> None:
+    """A kwarg holding its own `_target_` (Hydra's nested instantiation) is passed to the agent as the dict it is: the
+    loader builds the agent.runner target alone. Was: taken, and every rollout failed inside the agent on the dict
+    (`'dict' object has no attribute 'grade'`); refused here, naming the key."""
+    if hasattr(value, "items"):
+        if "_target_" in value and key != "agent.runner":
+            problems.check(False, key, f"holds a '_target_' ({value['_target_']!r}), but the agent's kwargs reach "
+                           f"{cls.__name__} as they are: it would get this dict, not the object it names (only "
+                           "agent.runner._target_ is built).", f"give {cls.__name__} the class as a string kwarg and "
+                           "its settings as plain kwargs, and build the object in its constructor "
+                           "(molt_hydra.agents.targets.resolve_target resolves the string)")
+            return
+        for name, inner in value.items():
+            _nested_targets(problems, cls, inner, f"{key}.{name}")
+    elif isinstance(value, Sequence) and not isinstance(value, (str, bytes)):  # (a list, an OmegaConf ListConfig)
+        for at, inner in enumerate(value):
+            _nested_targets(problems, cls, inner, f"{key}[{at}]")
 
 
 def _kwarg_problems(problems: Problems, cls, kwargs: dict) -> None:
@@ -102,10 +136,16 @@ def _runner_calls_fit(problems: Problems, cls: type) -> None:
     and the fix. A plain decorator's wrapper (functools.wraps) of an `async def` returns its coroutine: taken (was:
     refused as "a plain function", telling the author to write the `async def` they had written)."""
     for base, name, args, awaited in CALLED:
-        method = getattr(cls, name, None) if issubclass(cls, base) else None
-        if method is None:
+        if not issubclass(cls, base):
             continue
-        if not callable(method):  # (a property, a value: was a TypeError traceback out of validation)
+        method = getattr(cls, name, None)
+        if name in getattr(cls, "__abstractmethods__", ()):  # (was, a Runner's: passed, its runners failed to start;
+            # an Env's / ChatAgent's: "Can't instantiate abstract class", told to fix the agent.runner kwargs)
+            problems.check(False, "agent.runner._target_", f"{cls.__name__} does not define {name}, which the runner "
+                           f"calls (the {base.__name__} contract).",
+                           f"define `{'async def' if awaited else 'def'} {name}(self, {args})` in {cls.__name__}")
+            continue
+        if not callable(method):  # (a property, a value, None: was a TypeError traceback out of validation)
             problems.check(False, "agent.runner._target_", f"{cls.__name__}.{name} is a {type(method).__name__}, "
                            f"not a method, but the runner calls it (the {base.__name__} contract).",
                            f"declare it `{'async def' if awaited else 'def'} {name}(self, {args})`")
@@ -149,6 +189,7 @@ def check_agent(cfg: RunConfig, problems: Problems) -> None:
         return
     _chat_settings_read(cfg, problems, cls)
     spec, before = {k: v for k, v in cfg.agent.runner.items() if k != "_target_"}, len(problems.lines)
+    _nested_targets(problems, cls, spec, "agent.runner")
     _kwarg_problems(problems, cls, spec)
     if len(problems.lines) > before:
         return

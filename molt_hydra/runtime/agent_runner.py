@@ -98,7 +98,7 @@ class AgentRunnerActor(BatchedCallee):
                 raise asyncio.TimeoutError
 
     async def run_group(self, row: dict, n_samples: int, sampling: Sampling) -> list[tuple[object, str | None]]:
-        from molt_hydra.agents.base import AGENT_EXCEPTION, AGENT_TIMEOUT, Episode, Runner
+        from molt_hydra.agents.base import AGENT_EXCEPTION, AGENT_TIMEOUT, Episode, Runner, failed_on
 
         group_id = uuid.uuid4().hex
         # Seeds derive from the group's base seed (set by the generator from the run seed, epoch and prompt), so
@@ -132,10 +132,12 @@ class AgentRunnerActor(BatchedCallee):
                     why = ("agent code went on past agent.timeout_s={}, through the cancellation that ends a rollout "
                            "at its timeout (an `except BaseException:` or `except asyncio.CancelledError:` that does "
                            "not re-raise, or a `finally:` that awaits?)")
-                self.errors[AGENT_TIMEOUT] = why.format(self.timeout_s)
+                # (the group's agent and row first, as a rollout's failure names them: base.py failed_on)
+                self.errors[AGENT_TIMEOUT] = f"{failed_on(self.runner, episodes[0])}: {why.format(self.timeout_s)}"
             return [(None, AGENT_TIMEOUT)] * n_samples
         except Exception as e:  # noqa: BLE001 -- a Runner's own run_group is user code: its group fails, counted
-            self.errors.setdefault(AGENT_EXCEPTION, f"{type(self.runner).__name__}.run_group raised "
+            self.errors.setdefault(AGENT_EXCEPTION, f"{failed_on(self.runner, episodes[0])}: "
+                                                    f"{type(self.runner).__name__}.run_group raised "
                                                     f"{type(e).__name__}: {e}")
             return [(None, AGENT_EXCEPTION)] * n_samples
         return self._results(outcome, episodes)

@@ -78,6 +78,14 @@ BAD = [
     # (before: a TypeError traceback out of validation)
     ("property_step", [f"agent.runner._target_={FAULTS}:PropertyStepEnv"], "agent.runner._target_",
      "PropertyStepEnv.step is a property, not a method, but the runner calls it (the Env contract)."),
+    # a class that does not define the method its runner calls
+    *[(f"undefined_{name}", [f"agent.runner._target_={FAULTS}:{cls}"], "agent.runner._target_",
+       f"{cls} does not define {name}, which the runner calls (the {base} contract). Fix: define `async def "
+       f"{name}(self, {args})` in {cls}")
+      for cls, name, base, args in (("NoStepEnv", "step", "Env", "state"), ("NoRunAgent", "run", "ChatAgent", "ctx"),
+                                    ("NoExecuteRunner", "execute", "Runner", "episode, generator, tokenizer"))],
+    ("none_step", [f"agent.runner._target_={FAULTS}:NoneStepEnv"], "agent.runner._target_",
+     "NoneStepEnv.step is a NoneType, not a method, but the runner calls it (the Env contract)."),
     # a StepEnvRunner / ChatAgentRunner (subclass) that refuses its arguments (before: a traceback out of validation)
     ("runner_constructor_refuses", [f"agent.runner._target_={FAULTS}:RefusingRunner"], "agent.runner",
      "RefusingRunner(**agent.runner kwargs) raised ValueError: the grader is unreachable."),

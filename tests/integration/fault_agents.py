@@ -9,7 +9,7 @@ import os
 import sys
 import time
 
-from molt_hydra.agents.base import Result
+from molt_hydra.agents.base import Env, Result, Runner
 from molt_hydra.agents.chat_agent import ChatAgent
 from molt_hydra.agents.step_runner import StepEnvRunner
 from molt_hydra.recipes.agents.toy import ToyEnv
@@ -175,6 +175,31 @@ class NoCtxRunAgent(ChatAgent):
 
     async def run(self):  # noqa: D102
         return Result(reward=1.0)
+
+
+class NoStepEnv(Env):
+    """An Env that defines no `step` (its grading written as `grade`): refused at validation naming the method (was:
+    "Can't instantiate abstract class", told to fix the agent.runner kwargs)."""
+
+    async def grade(self, state):  # noqa: D102
+        return Result(reward=1.0)
+
+
+class NoRunAgent(ChatAgent):
+    """A ChatAgent whose loop is named `rollout`, not `run`: refused likewise."""
+
+    async def rollout(self, ctx):  # noqa: D102
+        return Result(reward=1.0)
+
+
+class NoExecuteRunner(Runner):
+    """A Runner without `execute`: refused likewise (was: passed validation; its runner processes failed to start)."""
+
+
+class NoneStepEnv(ToyEnv):
+    """`step = None`: refused as no method (was: passed; every rollout failed "'NoneType' object is not callable")."""
+
+    step = None
 
 
 class RefusingRunner(StepEnvRunner):

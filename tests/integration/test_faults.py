@@ -135,7 +135,8 @@ def test_raising_agent_fails_the_run_with_the_failure_printed_last(tmp_path):
     # SMALL runs 4 prompt groups of 4 at a time: a batch's worth of groups (4) failed, all 16 rollouts counted
     assert lines[-6].startswith("Run failed: agent runner: every rollout of the last 4 prompt groups"), lines[-8:]
     assert lines[-5] == "  dropped samples by reason: agent_exception 16", lines[-8:]
-    assert lines[-4] == "  example error (agent_exception): ValueError: the grader is down", lines[-8:]
+    assert lines[-4].startswith("  example error (agent_exception): RaisingEnv on prompt "), lines[-8:]  # (the row's)
+    assert lines[-4].endswith(": ValueError: the grader is down"), lines[-8:]
     # where agent code's output is, named at the start and here: each failed rollout's traceback among it
     named = f"{out}/agent_runner_*.{{out,err}}"
     assert lines[-3] == f"  agent code's output (print, logging, each failure's traceback): {named}", lines[-8:]
@@ -393,8 +394,8 @@ def test_a_reward_that_is_no_number_fails_the_run_naming_the_agent_and_the_value
     lines = [line for line in run.err().splitlines() if line.strip()]
     assert code == EXIT_FAILED, run.err()[-3000:]
     assert lines[-6].startswith("Run failed: agent runner: every rollout of the last 4 prompt groups"), lines[-6:]
-    assert lines[-4].startswith("  example error (agent_exception): TypeError: Result.reward of "
-                                "StringRewardEnv.step is str '0."), lines[-6:]
+    assert lines[-4].startswith("  example error (agent_exception): StringRewardEnv on prompt "), lines[-6:]
+    assert ": TypeError: Result.reward of StringRewardEnv.step is str '0." in lines[-4], lines[-6:]
     assert "Traceback" not in run.err()
 
 
@@ -455,8 +456,9 @@ def test_an_agent_calling_sys_exit_fails_the_run_as_an_agent_exception(tmp_path,
     code = run.finish()
     lines = [line for line in run.err().splitlines() if line.strip()]
     assert code == EXIT_FAILED, run.err()[-3000:]
-    assert lines[-5:-3] == ["  dropped samples by reason: agent_exception 16",
-                            "  example error (agent_exception): SystemExit: the grader gave up"], lines[-6:]
+    assert lines[-5] == "  dropped samples by reason: agent_exception 16", lines[-6:]
+    assert lines[-4].startswith(f"  example error (agent_exception): {agent} on prompt "), lines[-6:]
+    assert lines[-4].endswith(": SystemExit: the grader gave up"), lines[-6:]
     assert "Traceback" not in run.err()
 
 

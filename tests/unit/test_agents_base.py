@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from molt_hydra.agents import Episode, Runner, Trajectory, load_runner
-from molt_hydra.agents.base import Result, apply_sampling_override, reward_and_score, scalar
+from molt_hydra.agents.base import Result, apply_sampling_override, failed_on, reward_and_score, scalar
 from molt_hydra.agents.chat_agent import ChatAgentRunner
 from molt_hydra.agents.loading import resolve_target
 from molt_hydra.agents.math_grading import _WORKERS, grade_math, last_boxed
@@ -97,7 +97,7 @@ def test_routed_experts_laid_per_token_first_writer_wins():
 
 
 def test_scalar_and_sampling_override():
-    assert scalar([0.5, 2], "r") == 0.5 and scalar(1, "r") == 1.0
+    assert scalar([0.5], "r") == 0.5 and scalar(1, "r") == 1.0
     with pytest.raises(ValueError, match="Result.reward is None"):
         scalar(None, "Result.reward")
     s = Sampling(max_tokens=8)
@@ -162,7 +162,7 @@ def test_a_sampling_override_of_good_values_is_applied():
 
 @pytest.mark.parametrize("value, expected", [
     (np.float32(0.25), 0.25), (np.int64(3), 3.0), (np.bool_(True), 1.0), (True, 1.0), (torch.tensor(0.5), 0.5),
-    (torch.tensor(True), 1.0), (torch.tensor([[0.75]]), 0.75), (np.array([0.5, 1.0]), 0.5), ((0.5,), 0.5),
+    (torch.tensor(True), 1.0), (torch.tensor([[0.75]]), 0.75), (np.array([0.5]), 0.5), ((0.5,), 0.5),
     (math.inf, math.inf)], ids=lambda v: type(v).__name__)
 def test_a_reward_of_any_numeric_kind_is_honoured(value, expected):
     """Numbers of every kind become floats (inf too: the samples generator drops it as nonfinite_reward)."""
@@ -174,6 +174,9 @@ def test_a_reward_of_any_numeric_kind_is_honoured(value, expected):
     (b"1", "is bytes b'1'"), ({"reward": 1.0}, "is dict {'reward': 1.0}"), ([[0.5]], "is list [0.5]"),
     (1 + 2j, "is complex (1+2j)"), (None, "Result.reward of GraderEnv.step is None"),
     ([], "is an empty list"), (torch.tensor([]), "is an empty Tensor"), (np.array([]), "is an empty ndarray"),
+    # (was: the first element taken, the others dropped without a word)
+    ([0.5, 1.0], "Result.reward of GraderEnv.step is a list of 2 elements; return one number for the rollout"),
+    (torch.tensor([1.0, 0.0, 1.0]), "is a Tensor of 3 elements"), (np.ones((2, 2)), "is a ndarray of 4 elements"),
     (10**400, "Result.reward of GraderEnv.step is int beyond a float's range (its magnitude over 1.8e308); return "
               "a number within it"), (-(10**5000), "is int beyond a float's range")],
     ids=lambda v: type(v).__name__)
@@ -275,7 +278,8 @@ def test_info_is_checked_for_shipping_once_per_trajectory_not_every_turn(tiny_mo
     ep = Episode(prompt="hi", sampling=Sampling(max_tokens=1), max_length=64)
     outcome = asyncio.run(StepEnvRunner(FiveTurns, {"lock_last": True}).run_group([ep], Echo(), tok))
     assert outcome.trajectories == [] and dict(outcome.failures) == {"agent_exception": 1}
-    assert outcome.errors["agent_exception"].startswith("TypeError: Result.info['h'] of FiveTurns.step is lock, ")
+    assert outcome.errors["agent_exception"].startswith(
+        "FiveTurns on prompt 'hi', label None: TypeError: Result.info['h'] of FiveTurns.step is lock, ")
 
 
 @pytest.mark.parametrize("value", [True, False, np.bool_(True), torch.tensor(False), 1, 0])
@@ -309,6 +313,43 @@ def test_math_grading():
     for response, label in ((r"\boxed{}", ""), (r"\boxed{None}", None), (r"\boxed{ }", " ")):
         with pytest.raises(ValueError, match="no label to grade against.*Fix: point data.label_key"):
             grade_math(response, label)
+
+
+def test_a_response_of_none_is_graded_as_no_answer_and_one_of_another_type_is_named():
+    """An OpenAI message's content is None when the reply was tool calls alone (an agent's last turn). Before:
+    "expected string or bytes-like object, got 'NoneType'" out of the regex, dropping each such rollout as
+    agent_exception instead of scoring it 0.0; any other type raised the same message, naming nothing."""
+    assert grade_math(None, "5") == 0.0 and grade_math(None, "5", require_boxed=False) == 0.0
+    with pytest.raises(TypeError, match=r"grade_math: the response is dict \{'content': '5'\}, not text"):
+        grade_math({"content": "5"}, "5")
+    with pytest.raises(ValueError, match="no label to grade against"):  # (the label is still checked)
+        grade_math(None, None)
+
+
+def test_a_math_worker_that_dies_grading_is_replaced_and_the_answer_graded_again(monkeypatch, tmp_path, caplog):
+    """A worker that dies mid-grade (the OOM killer, a crash). Before: graded 0.0 as a timed-out comparison is,
+    without a word: a right answer scored as wrong. Now the answer is graded again in a fresh worker; one that kills
+    its worker twice is graded 0.0 with a warning naming it."""
+    from molt_hydra.agents import math_grading
+
+    died = tmp_path / "died"  # (a stand-in worker: the first one dies on its answer, later ones say "equal")
+    monkeypatch.setattr(math_grading, "_WORKER", f"import json, os, sys\nprint('ready', flush=True)\n"
+                        f"for line in sys.stdin:\n    if not os.path.exists({str(died)!r}):\n"
+                        f"        open({str(died)!r}, 'w').close()\n        sys.exit(3)\n"
+                        "    print(json.dumps([True, True, True]), flush=True)\n")
+    monkeypatch.setattr(math_grading, "_WORKERS", math_grading._Workers())
+    with caplog.at_level("WARNING", logger=math_grading.__name__):
+        assert grade_math(r"\boxed{5}", "5") == 1.0
+    assert caplog.messages == ["grade_math: the math-verify worker died (exit code 3) grading '$5$' against '$5$'; "
+                               "grading it again"]
+    monkeypatch.setattr(math_grading, "_WORKER", "import sys\nprint('ready', flush=True)\nsys.stdin.readline()\n"
+                                                 "sys.exit(3)\n")  # (every worker dies on it)
+    monkeypatch.setattr(math_grading, "_WORKERS", math_grading._Workers())
+    caplog.clear()
+    with caplog.at_level("WARNING", logger=math_grading.__name__):
+        assert grade_math(r"\boxed{5}", "5") == 0.0
+    assert caplog.messages[-1] == ("grade_math: the math-verify worker died (exit code 3) grading '$5$' against "
+                                   "'$5$' a second time: graded 0.0, as a comparison past its deadline is")
 
 
 def test_a_box_written_with_a_space_is_graded_as_a_box():
@@ -396,6 +437,62 @@ def test_an_agent_file_that_exits_when_imported_is_a_config_error_naming_the_tar
         "settings as agent.runner.* kwargs"]
 
 
+def test_a_dotted_target_naming_a_file_of_the_working_directory_is_told_to_name_the_file(tmp_path, monkeypatch):
+    """`my_agents.MyEnv` beside my_agents.py: `molt-run` (a console script) has not the working directory on its
+    import path. Before: the generic fix alone ("set agent.runner._target_ to pkg.module.Name or ..."), the user left
+    to guess why a file they can see was not found."""
+    from molt_hydra.agents.rules import TARGET_FIX, _target
+    from molt_hydra.config.validate import Problems
+
+    (tmp_path / "pkg").mkdir()
+    for name in ("my_agents.py", "pkg/agent.py"):
+        (tmp_path / name).write_text("from molt_hydra.agents import Env\nclass MyEnv(Env):\n    pass\n")
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setattr(sys, "path", [p for p in sys.path if p not in ("", ".", str(tmp_path))])
+    for target, missing, file in (("my_agents.MyEnv", "my_agents", "my_agents.py"),
+                                  ("pkg.agent.MyEnv", "pkg", "pkg/agent.py")):
+        problems = Problems()
+        assert _target(problems, {"_target_": target}) is None
+        assert problems.lines == [f"- agent.runner._target_: cannot import {target!r} (ModuleNotFoundError: No module "
+                                  f"named {missing!r}). Fix: name it by its file, agent.runner._target_={file}:MyEnv "
+                                  f"({missing} is not on the import path here), or install its package"]
+    problems = Problems()  # no such file here: the generic fix
+    _target(problems, {"_target_": "nothere.MyEnv"})
+    assert problems.lines[0].endswith(f"Fix: {TARGET_FIX}")
+
+
+def test_a_kwarg_holding_its_own_target_is_refused_naming_it(tmp_path):
+    """Hydra's nested instantiation (`agent.runner.grader={_target_: ..., scale: 2}`) is not what the agent loader
+    does: the Env got the dict. Before: validation passed and every rollout failed inside the Env ("'dict' object
+    has no attribute 'grade'")."""
+    from omegaconf import OmegaConf
+
+    from molt_hydra.agents.rules import check_agent
+    from molt_hydra.config.schema import RunConfig
+    from molt_hydra.config.validate import Problems
+
+    (tmp_path / "graded.py").write_text(
+        "from molt_hydra.agents import Env, Result\nclass Grader:\n    def __init__(self, scale=1.0):\n"
+        "        self.scale = scale\nclass GradedEnv(Env):\n    def __init__(self, grader=None, graders=()):\n"
+        "        self.grader = grader\n    async def step(self, state):\n"
+        "        return Result(reward=self.grader.scale)\n")
+    grader = {"_target_": f"{tmp_path / 'graded.py'}:Grader", "scale": 2.0}
+    for kwargs, key in (({"grader": grader}, "agent.runner.grader"),
+                        ({"graders": OmegaConf.create([{"scale": 1}, grader])}, "agent.runner.graders[1]")):
+        cfg, problems = RunConfig(), Problems()
+        cfg.agent.runner = {"_target_": f"{tmp_path / 'graded.py'}:GradedEnv", **kwargs}
+        check_agent(cfg, problems)
+        assert problems.lines == [
+            f"- {key}: holds a '_target_' ({grader['_target_']!r}), but the agent's kwargs reach GradedEnv as they "
+            "are: it would get this dict, not the object it names (only agent.runner._target_ is built). Fix: give "
+            "GradedEnv the class as a string kwarg and its settings as plain kwargs, and build the object in its "
+            "constructor (molt_hydra.agents.targets.resolve_target resolves the string)"]
+    cfg, problems = RunConfig(), Problems()  # plain dicts and lists of them pass
+    cfg.agent.runner = {"_target_": f"{tmp_path / 'graded.py'}:GradedEnv", "grader": {"scale": 2.0}}
+    check_agent(cfg, problems)
+    assert problems.lines == []
+
+
 def test_an_env_file_a_runner_imports_that_exits_is_a_config_error_naming_the_target(tmp_path):
     """The same through a StepEnvRunner that imports its `env=` file as it is built (agents/rules.py `_built`). Before:
     molt-run ended without a word (exit 2, the file's own code)."""
@@ -468,7 +565,8 @@ def test_a_runner_returning_no_list_of_trajectories_fails_its_rollout_naming_exe
     ep = Episode(prompt="p", sampling=Sampling(max_tokens=1), max_length=8)
     outcome = asyncio.run(Custom().run_group([ep], None, None))
     assert dict(outcome.failures) == {"agent_exception": 1}
-    assert outcome.errors["agent_exception"] == f"TypeError: Custom.execute must return a list of Trajectory, {got}"
+    assert outcome.errors["agent_exception"] == (f"Custom on prompt 'p', label None: TypeError: Custom.execute must "
+                                                 f"return a list of Trajectory, {got}")
 
 
 def _built(**fields) -> Trajectory:
@@ -501,7 +599,7 @@ def test_a_trajectory_a_runner_built_wrong_fails_its_rollout_naming_the_field(fi
     ep = Episode(prompt="p", sampling=Sampling(max_tokens=1), max_length=8)
     outcome = asyncio.run(Custom().run_group([ep], None, None))
     assert dict(outcome.failures) == {"agent_exception": 1} and outcome.trajectories == []
-    assert outcome.errors["agent_exception"].startswith(said), outcome.errors
+    assert outcome.errors["agent_exception"].startswith(f"Custom on prompt 'p', label None: {said}"), outcome.errors
 
 
 @pytest.mark.parametrize("reward, score", [(np.float32(0.5), None), (torch.tensor([0.5]), 1), (True, np.int64(1))],
@@ -517,6 +615,52 @@ def test_a_trajectory_a_runner_built_with_numbers_of_any_kind_keeps_them_as_floa
     (seg,) = asyncio.run(Custom().run_group([ep], None, None)).trajectories
     assert type(seg.reward) is float and seg.reward == float(np.asarray(reward).flatten()[0])
     assert seg.score is None if score is None else (type(seg.score) is float and seg.score == 1.0)
+
+
+def test_a_failed_rollouts_message_names_the_agent_and_its_sample():
+    """Before: the run's failure summary showed the cause alone ("KeyError: 'answer'", "the rollout ran past
+    agent.timeout_s=..."), naming neither the agent nor the row it failed on."""
+    from molt_hydra.agents.base import Env
+
+    class Grader(Env):
+        async def step(self, state):
+            return Result()
+
+    chat = [{"role": "system", "content": "Be brief."},
+            {"role": "user", "content": [{"type": "image"}, {"type": "text", "text": "What is 2+2?"}]}]
+    assert failed_on(StepEnvRunner(Grader), Episode(prompt=chat, sampling=Sampling(1), max_length=8, label={
+        "answer": "4"})) == "Grader on prompt 'What is 2+2?', label {'answer': '4'}"
+    long = Episode(prompt="Count:\n" + "1 " * 100, sampling=Sampling(1), max_length=8, label="x" * 100)
+    assert failed_on(StepEnvRunner(Grader), long) == (f"Grader on prompt {repr(long.prompt)[:57]}..., "
+                                                      f"label {repr('x' * 100)[:37]}...")  # (one line, cut short)
+
+    class Sleeper(Runner):
+        async def execute(self, episode, generator, tokenizer):
+            if episode.label == 3:
+                await asyncio.sleep(3600)
+            raise KeyError("answer")
+
+    eps = [Episode(prompt=f"p{i}", sampling=Sampling(max_tokens=1), max_length=8, label=i) for i in (3, 4)]
+    outcome = asyncio.run(Sleeper().run_group(eps, None, None, 0.2))
+    assert outcome.errors == {"agent_timeout": "Sleeper on prompt 'p3', label 3: the rollout ran past "
+                                               "agent.timeout_s=0.2",
+                              "agent_exception": "Sleeper on prompt 'p4', label 4: KeyError: 'answer'"}
+
+
+@pytest.mark.parametrize("field", ["reward", "score"])
+def test_a_nonfinite_reward_or_score_has_an_example_naming_the_agent_and_sample(field):
+    """The driver drops such a trajectory (rollout/generator.py `usable`). Before: counted as nonfinite_reward /
+    nonfinite_score, with no example error in the run's failure summary to say which agent, row or value."""
+
+    class Custom(Runner):
+        async def execute(self, episode, generator, tokenizer):
+            return [_built(**{field: math.nan if episode.label == "bad" else 1.0})]
+
+    eps = [Episode(prompt="p", sampling=Sampling(max_tokens=1), max_length=8, label=label) for label in ("ok", "bad")]
+    outcome = asyncio.run(Custom().run_group(eps, None, None))
+    assert len(outcome.trajectories) == 2 and not outcome.failures  # (the driver drops it, counted there)
+    assert outcome.errors == {f"nonfinite_{field}": f"Custom on prompt 'p', label 'bad': its {field} is nan; return "
+                                                    "a finite number"}
 
 
 def test_an_agent_calling_sys_exit_fails_its_rollout_only():
@@ -538,7 +682,7 @@ def test_an_agent_calling_sys_exit_fails_its_rollout_only():
 
     first, second = asyncio.run(group_then_another())
     assert dict(first.failures) == {"agent_exception": 1, "empty_session": 1}
-    assert first.errors["agent_exception"] == "SystemExit: the grader gave up"
+    assert first.errors["agent_exception"] == "Exiting on prompt 'p', label 'exit': SystemExit: the grader gave up"
     assert dict(second.failures) == {"empty_session": 1}
 
 
@@ -558,7 +702,8 @@ def test_an_agent_raising_cancelled_error_fails_its_rollout_only_and_a_real_canc
            for label in ("cancel", "ok")]
     outcome = asyncio.run(Cancelling().run_group(eps, None, None, 5))
     assert dict(outcome.failures) == {"agent_exception": 1, "empty_session": 1}
-    assert outcome.errors["agent_exception"] == "CancelledError: an inner task was cancelled"
+    assert outcome.errors["agent_exception"] == (
+        "Cancelling on prompt 'p', label 'cancel': CancelledError: an inner task was cancelled")
 
     async def cancelled_from_outside():
         hang = Episode(prompt="p", sampling=Sampling(max_tokens=1), max_length=8, label="hang")
@@ -631,7 +776,8 @@ def test_an_empty_text_prompt_fails_its_rollout_naming_the_env_and_the_fix(tiny_
     outcome = asyncio.run(StepEnvRunner(OneTurn).run_group(eps, Engine(), AutoTokenizer.from_pretrained(tiny_model)))
     assert len(outcome.trajectories) == 1 and dict(outcome.failures) == {"agent_exception": 1}
     assert outcome.errors["agent_exception"] == (
-        "ValueError: the first prompt of OneTurn is empty text (the row's prompt, or what reset returned as "
+        "OneTurn on prompt '', label None: ValueError: the first prompt of OneTurn is empty text (the row's prompt, "
+        "or what reset returned as "
         "'observation'): nothing to generate from. Fix: give the row a prompt, or set data.apply_chat_template=true "
         "to render it as a user message")
 
@@ -892,7 +1038,8 @@ def test_the_runner_process_counts_a_runner_whose_own_run_group_raises_and_marks
     try:
         assert asyncio.run(actor.run_group({"prompt": "p"}, 2, Sampling(max_tokens=4))) == [
             (None, "agent_exception")] * 2
-        assert actor.example_errors() == {"agent_exception": "AgentRunner.run_group raised RuntimeError: my "
+        assert actor.example_errors() == {"agent_exception": "AgentRunner on prompt 'p', label None: "
+                                                              "AgentRunner.run_group raised RuntimeError: my "
                                                               "batching broke"}
     finally:
         actor.agent_loop.call_soon_threadsafe(actor.agent_loop.stop)
@@ -930,7 +1077,7 @@ def test_a_group_past_its_timeout_is_told_as_a_blocked_loop_only_where_the_loop_
     try:
         assert asyncio.run(actor.run_group({"prompt": "p"}, 2, Sampling(max_tokens=4))) == [
             (None, "agent_timeout")] * 2
-        assert actor.example_errors() == {"agent_timeout": cause}
+        assert actor.example_errors() == {"agent_timeout": f"AgentRunner on prompt 'p', label None: {cause}"}
     finally:
         actor.agent_loop.call_soon_threadsafe(actor.agent_loop.stop)
 
@@ -956,7 +1103,8 @@ def test_why_groups_outlived_agent_timeout_s_is_probed_once_per_runner(tiny_mode
             assert asyncio.run(actor.run_group({"prompt": "p"}, 2, Sampling(max_tokens=4))) == [
                 (None, "agent_timeout")] * 2
         assert len(submitted) == 1  # the first group's probe only
-        assert actor.example_errors()["agent_timeout"].startswith("agent code went on past agent.timeout_s=1, ")
+        assert actor.example_errors()["agent_timeout"].startswith(
+            "ToyEnv on prompt 'p', label None: agent code went on past agent.timeout_s=1, ")
     finally:
         actor.agent_loop.call_soon_threadsafe(actor.agent_loop.stop)
 
@@ -1008,8 +1156,9 @@ def test_sys_exit_in_a_task_of_agent_code_fails_its_rollouts_and_the_runner_goes
         for label, expected in (("exit", "agent_exception"), ("exit", "agent_exception"), ("ok", "empty_session")):
             group = actor.run_group({"prompt": "p", "label": label}, 2, Sampling(max_tokens=4))
             assert asyncio.run(asyncio.wait_for(group, 10)) == [(None, expected)] * 2, label
-        assert actor.example_errors() == {"agent_exception": "SystemExit: the grader gave up",
-                                          "empty_session": "the agent returned no generated token"}
+        assert actor.example_errors() == {
+            "agent_exception": "AgentRunner on prompt 'p', label 'exit': SystemExit: the grader gave up",
+            "empty_session": "AgentRunner on prompt 'p', label 'ok': the agent returned no generated token"}
     finally:
         actor.agent_loop.call_soon_threadsafe(actor.agent_loop.stop)
 

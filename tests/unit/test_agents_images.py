@@ -246,7 +246,8 @@ def test_result_images_given_as_paths_or_bytes_are_decoded_as_row_images_are(tin
     Env.images = [str(tmp_path / "blue.png"), 42]
     for outcome, agent in zip(asyncio.run(both(*toks)), ("Env.step", "Agent.run")):
         assert outcome.trajectories == [] and outcome.errors == {"agent_exception": (
-            f"ValueError: Result.images of {agent}: unusable image: an image must be a PIL image, bytes, a path or an "
+            f"{agent.split('.')[0]} on prompt 'hi', label None: ValueError: Result.images of {agent}: unusable "
+            "image: an image must be a PIL image, bytes, a path or an "
             "Image struct, got int")}
 
 
@@ -296,7 +297,8 @@ def test_an_env_returning_more_images_than_the_engines_take_fails_its_rollout_na
     assert actor.runner.max_images == 0
     actor.runner.max_images = 2
     error = asyncio.run(actor.runner.run_group([ep], VLMStandIn(tok.eos_token_id), tok)).errors["agent_exception"]
-    assert error == ("ValueError: TwoImages.step returned 2 Result.images: 3 images in the episode > "
+    assert error == ("TwoImages on prompt 'Find x.', label None: ValueError: TwoImages.step returned 2 Result.images: "
+                     "3 images in the episode > "
                      "data.max_images_per_prompt=2, the engines' per-prompt image limit (every turn's prompt carries "
                      "all earlier images). Fix: return fewer images, or raise data.max_images_per_prompt")
 

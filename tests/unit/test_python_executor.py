@@ -128,6 +128,42 @@ def test_output_is_capped():
     assert r.stdout == "x" * 100 and r.output_truncated and r.exit_code == 0
 
 
+def test_a_cut_output_says_so_in_the_observation():
+    """Before: the observation was the first max_output_bytes of stdout and nothing else, so the model read a cut
+    output as all the code printed."""
+    r = run(run_python("print('x' * 1000)", max_output_bytes=100))
+    assert r.as_observation() == "x" * 100 + "\n[output truncated: stdout and stderr are each cut at 100 bytes]"
+    assert run(run_python("print('x' * 100)", max_output_bytes=101)).as_observation() == "x" * 100  # (not cut)
+
+
+@pytest.mark.parametrize("sandbox", ["auto", "rlimits"])
+def test_a_process_killed_or_failing_without_a_word_says_how_it_ended(sandbox):
+    """Before: a call killed by a signal (or exiting non-zero with nothing on stderr) was observed as its stdout
+    alone, "before", as if it had succeeded. The exit code is -9 in the fallback (as Popen reports it) and 128 + 9
+    under bwrap (as bwrap reports it): the signal is named in both."""
+    r = run(run_python("import os, signal\nprint('before', flush=True)\nos.kill(os.getpid(), signal.SIGKILL)",
+                       sandbox=sandbox))
+    assert r.exit_code in (-9, 128 + 9) and not r.ok
+    assert r.as_observation() == f"before\n\nProcess killed by signal SIGKILL (exit code {r.exit_code})"
+    r = run(run_python("import sys\nprint('hi')\nsys.exit(3)", sandbox=sandbox))
+    assert r.as_observation() == "hi\n\nProcess exited with code 3"
+
+
+def test_a_timed_out_call_names_its_limit():
+    r = run(run_python("import time\nprint('start', flush=True)\ntime.sleep(30)", timeout_s=1.5))
+    assert r.as_observation() == "start\n\nTimeoutError: execution exceeded the time limit of 1.5 s"
+
+
+@pytest.mark.parametrize("sandbox", ["auto", "rlimits"])
+def test_a_traceback_shows_the_codes_own_frames_only(sandbox):
+    """Before: every traceback began with the sandbox bootstrap's frame, `File "<string>", line 14, in <module>`, a
+    line of code the model never wrote, in every failed call's observation."""
+    r = run(run_python("def f():\n    return 1 / 0\nf()", sandbox=sandbox))
+    assert r.exit_code == 1 and r.stderr == ('Traceback (most recent call last):\n'
+                                             '  File "<code>", line 3, in <module>\n'
+                                             '  File "<code>", line 2, in f\nZeroDivisionError: division by zero\n')
+
+
 def test_limits_out_of_bounds_are_refused_with_the_key():
     with pytest.raises(ValueError, match=r"agent\.runner\.exec_max_processes: must be a number in \[4, 4096\]"):
         SandboxLimits(max_processes=0)
