@@ -19,8 +19,9 @@ sync is one graph launch instead of the Python loader loop (same-dtype copies be
 streams when no two destinations overlap (the order of disjoint copies cannot change a bit); on CPU they run one by
 one, in order. Disjoint copies are also merged before a replay (`merged`): a MoE's per-expert copies, 3 per expert
 and layer, become one per layer and projection, and a pair of transposed views (AutoModel's experts) goes through a
-tiled kernel (transposed_copy.py) instead of torch's strided reads. The plan holds while the engine's parameter addresses are those it was recorded against (the worker
-checks before each replay); the worker drops it with the trainer views it reads (a new token).
+tiled kernel (transposed_copy.py) instead of torch's strided reads. The plan holds while the engine's parameter
+addresses are those it was recorded against (the worker checks before each replay); the worker drops it with the
+trainer views it reads (a new token).
 
 The recorder is torch's dispatch mode (compat/torch.py). What is proven where: on the GPU stand-in of vLLM's model
 runner (tests/gpu/_weight_sync_standin.py: loaders copy in place by name) and on CPU unit tests with vLLM-style fused
