@@ -14,6 +14,7 @@ Only a GPU runs it: AutoModel takes `torch.cuda.current_device()` while building
 from __future__ import annotations
 
 import contextlib
+import math
 import re
 
 import torch
@@ -175,7 +176,9 @@ def clip_grad_norm(model, max_norm: float, dp_size: int) -> torch.Tensor:
     mesh = model._molt_mesh
     moe = mesh.moe_mesh
     ep_axis = "ep" if moe is not None and "ep" in moe.mesh_dim_names else None
-    return scale_grads_and_clip_grad_norm(max_norm if max_norm > 0 else None, [model], norm_type=2.0,
+    # clipping off is an infinite bound, not AutoModel's None, which skips the norm and returns 0.0: the step's
+    # non-finite check (parallel/trainer.py) and actor_grad_norm need the norm measured (a coefficient of 1 then)
+    return scale_grads_and_clip_grad_norm(max_norm if max_norm > 0 else math.inf, [model], norm_type=2.0,
                                           device_mesh=mesh.device_mesh, moe_mesh=moe, ep_axis_name=ep_axis,
                                           dp_group_size=dp_size)
 

@@ -174,3 +174,25 @@ def test_grouped_experts_reach_the_weight_sync_as_views_of_the_trainers_own_stor
     assert local_full_weights(model, to_hf=under_prefix(hf_name_mapper(model))) is None  # copies: the bucketed path
     shared = local_full_weights(model, to_hf=under_prefix(views))
     assert len(shared) == 3 * experts
+
+
+@needs_automodel
+def test_clipping_off_still_measures_the_gradient_norm():
+    """max_grad_norm=0 (clipping off) must still give the norm: the trainer's non-finite check and actor_grad_norm
+    read it (AutoModel's None skips the norm and returns 0.0)."""
+    import math
+    import types
+
+    from molt_hydra.models.automodel import clip_grad_norm
+
+    layer = torch.nn.Linear(3, 2)
+    layer._molt_mesh = types.SimpleNamespace(moe_mesh=None, device_mesh=None)
+    layer.weight.grad, layer.bias.grad = torch.full((2, 3), 2.0), torch.full((2,), 1.0)
+    norm = math.sqrt(6 * 2.0 ** 2 + 2 * 1.0 ** 2)
+    assert float(clip_grad_norm(layer, 0.0, 1)) == pytest.approx(norm)
+    assert torch.equal(layer.weight.grad, torch.full((2, 3), 2.0))  # not clipped
+    layer.bias.grad = torch.tensor([float("nan"), 1.0])
+    assert math.isnan(float(clip_grad_norm(layer, 0.0, 1)))  # what the step's check refuses
+    layer.weight.grad, layer.bias.grad = torch.full((2, 3), 2.0), torch.full((2,), 1.0)
+    assert float(clip_grad_norm(layer, 1.0, 1)) == pytest.approx(norm)
+    assert layer.weight.grad[0, 0].item() == pytest.approx(2.0 / norm, rel=1e-5)  # clipped to norm 1
