@@ -29,7 +29,7 @@ from molt_hydra.runtime.agent_runner import OUTPUT
 from molt_hydra.runtime.preemption import PreemptionNotice
 from molt_hydra.runtime.ray_head import EXIT_S, dead_head_within, stopped_head
 from molt_hydra.runtime.run_lock import run_lock, unless_another_run
-from molt_hydra.runtime.run_record import config_as_dict, record_end, write_run_record
+from molt_hydra.runtime.run_record import config_as_dict, record_end, record_interrupted, write_run_record
 from molt_hydra.runtime.slurm_ray import RayClusterError, ray_cluster
 from molt_hydra.runtime.watchdog import (EXIT_FAILED, EXIT_STALLED, RoleStalled, RunFailed, beside, describe,
                                         descendants, kill, shutdown_ray, stall_report)
@@ -39,8 +39,14 @@ from molt_hydra.runtime.writable import run_dirs, writes_checkpoint_dir
 def run(cfg: RunConfig) -> None:
     notice = PreemptionNotice(cfg.output_dir)
     # one run per directory, from its first write to its end
-    with run_lock(run_dirs(cfg)), _stoppable(notice, saves=cfg.job.value != "eval"):
-        _run(cfg, notice)
+    with run_lock(run_dirs(cfg)):
+        try:
+            with _stoppable(notice, saves=cfg.job.value != "eval"):
+                _run(cfg, notice)
+        except SystemExit as e:  # stopped by the user or Slurm's notice: said in its directory (molt-report), before
+            if e.code == EXIT_INTERRUPTED:  # the lock is let go (a resume started then writes its own record)
+                record_interrupted(cfg.output_dir)
+            raise
 
 
 @contextmanager
@@ -486,6 +492,7 @@ def _run_sft(cfg: RunConfig, resume_from: Path | None, notice: PreemptionNotice,
         print(f"\nInterrupted: the run stopped{KEPT}.", file=sys.stderr)
         notice.handover()
     except RoleStalled as e:  # a rank stopped by a signal (sft_job.py): its ranks are ended
+        _stall_told(cfg, f"{e}".splitlines())
         print("\n" + "\n".join([str(e), *_resume_hint(cfg)]), file=sys.stderr)
         sys.exit(EXIT_STALLED)
     except Exception as e:  # noqa: BLE001 - the traceback goes to failure.txt
@@ -609,8 +616,17 @@ def _stalled(cfg: RunConfig, role_pids: dict[str, int], reason: str, not_answeri
              last_words: list[str]) -> int:
     """A role stopped making progress: its name, every role's stacks in a file, exit 3. `role_pids`: those of the
     roles started so far (before: none while they started, so a stopped engine's pid and stacks went untold)."""
-    last_words += stall_report(cfg.output_dir, role_pids, reason, not_answering, ray_head.pids())
+    last_words += _stall_told(cfg, stall_report(cfg.output_dir, role_pids, reason, not_answering, ray_head.pids()))
     return EXIT_STALLED
+
+
+def _stall_told(cfg: RunConfig, lines: list[str]) -> list[str]:
+    """A stall's last words (returned), also in <output_dir>/failure.txt, as a failure's: molt-report's "failed:
+    <role> stalled: ..." (was: "stopped at step N", as a run killed -9; no traceback here, the stacks file is the
+    details). A full disk or a read-only output_dir leaves it untold there: the console says it."""
+    with suppress(OSError):
+        (Path(cfg.output_dir) / "failure.txt").write_text("\n".join(lines) + "\n")
+    return lines
 
 
 async def _report_failure(cfg: RunConfig, roles, error: Exception) -> list[str]:

@@ -13,8 +13,9 @@ with `.hydra/overrides.yaml` (Hydra writes it when the point starts) and/or a su
 (one JSON object per step, with a `step` key); a final value is the last step's as logged (nan too). Status:
 submitit's result file when there is one (completed / failed: <error>), else Slurm's state from `sacct` (pending,
 running, requeued, cancelled, ...), else the run's directory: running (a run holds its lock), completed (the run
-recorded its end in run_record.json), failed: <cause> (its failure.txt), else the metrics (completed when the last
-step reached train.max_steps, else stopped at step N: killed, interrupted or stalled).
+recorded its end in run_record.json), failed: <cause> (its failure.txt; a stalled role's too), interrupted at step N
+(Ctrl-C / SIGTERM, as run_record.json records), else the metrics (completed when the last step reached
+train.max_steps, else stopped at step N: killed, or its driver crashed).
 """
 
 from __future__ import annotations
@@ -35,7 +36,7 @@ import yaml
 
 from molt_hydra.logging.dashboard import BEST_BY, final_and_best, read_metrics, series  # noqa: F401 (re-exported)
 from molt_hydra.runtime.run_lock import in_use
-from molt_hydra.runtime.run_record import ENDED
+from molt_hydra.runtime.run_record import ENDED, INTERRUPTED
 
 DEFAULT_METRICS = ("train/reward", "train/vllm_kl:absmin")
 
@@ -126,8 +127,9 @@ RUN_FILES = ("metrics.jsonl", "run_record.json")  # what a run writes into its d
 def _status_from_dir(p: Point) -> str:
     """A point's status from its directory: running while a run holds its lock; completed where the run recorded its
     end (its data may end it before train.max_steps); failed with the cause failure.txt starts with, where this
-    attempt wrote it (each start rewrites run_record.json: a resume's failure.txt is newer); else from the metrics.
-    Before, a run in progress, a crashed one and one whose data ran out were each "stopped at step N"."""
+    attempt wrote it (each start rewrites run_record.json: a resume's failure.txt is newer), a stall's too;
+    interrupted where the user stopped it (run_record.json); else from the metrics. Before, a run in progress, a
+    crashed one, an interrupted or stalled one and one whose data ran out were each "stopped at step N"."""
     last = int(p.rows[-1]["step"]) if p.rows else None
     if p.dir is None:
         return "no metrics"
@@ -139,7 +141,11 @@ def _status_from_dir(p: Point) -> str:
             return "completed"
     if failure.is_file() and (not record.is_file() or failure.stat().st_mtime >= record.stat().st_mtime):
         cause = next(iter(failure.read_text(errors="replace").splitlines()), "").strip()
-        return f"failed: {cause.removeprefix('Run failed: ').rstrip('.') or 'see ' + str(failure)}"
+        cause = cause.removeprefix("Run failed: ").removeprefix("Run stopped: ").rstrip(".")  # (a stall's: stopped)
+        return f"failed: {cause or 'see ' + str(failure)}"
+    with suppress(OSError, ValueError):  # Ctrl-C / SIGTERM (exit 130): the user's stop, not a crash
+        if json.loads(record.read_text()).get(INTERRUPTED):
+            return "interrupted" if last is None else f"interrupted at step {last}"
     if last is None:
         return "no metrics"
     return "completed" if p.max_steps is not None and last >= p.max_steps else f"stopped at step {last}"

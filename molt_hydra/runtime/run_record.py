@@ -62,10 +62,25 @@ def record_end(directory: str | Path, step: int) -> None:
     """The run ended as it should (its steps or its data done, job=eval's score out), in its run_record.json, which
     each start writes without it (a resume's attempt is told by its own end): molt-report's "completed" for a run whose
     data ran out before train.max_steps, or that has none (was: "stopped at step N", as a crashed run)."""
+    _add_to_record(directory, ENDED, {"step": step})
+
+
+INTERRUPTED = "interrupted"  # run_record.json's key once Ctrl-C / SIGTERM / SIGHUP stopped the run (exit 130): true
+
+
+def record_interrupted(directory: str | Path) -> None:
+    """The run was stopped by the user (Ctrl-C, SIGTERM, SIGHUP; exit 130), in its run_record.json: molt-report's
+    "interrupted at step N" (was: "stopped at step N", as a run killed -9 or one whose driver crashed). A full disk or
+    a read-only output_dir leaves it untold: the exit status and the console said it."""
+    with suppress(OSError):
+        _add_to_record(directory, INTERRUPTED, True)
+
+
+def _add_to_record(directory: str | Path, key: str, value) -> None:
     path, record = Path(directory) / "run_record.json", {}
     with suppress(OSError, ValueError):  # (removed or cut short since the start: the end is still recorded)
         record = json.loads(path.read_text())
-    path.write_text(json.dumps({**record, ENDED: {"step": step}}, indent=2))
+    path.write_text(json.dumps({**record, key: value}, indent=2))
 
 
 # Keys whose change between a checkpoint and its resume changes what the run learns from there on, so the resumed run
