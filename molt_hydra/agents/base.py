@@ -443,12 +443,14 @@ class Runner(ABC):
                 raise TypeError(f"{type(self).__name__}.execute must return a list of Trajectory, got {got}")
             for seg in segments:
                 check_built(seg, f"{type(self).__name__}.execute")
-        except (Exception, SystemExit, KeyboardInterrupt, asyncio.CancelledError) as e:  # the agent is user code: any
-            # error ends this rollout only; a sys.exit() escaping would end the runner's agent loop, and every later
-            # rollout would time out. A CancelledError the agent raised itself (nobody cancelled this task) would end
-            # its whole group.
-            if isinstance(e, asyncio.CancelledError) and asyncio.current_task().cancelling():
-                raise  # this rollout really is being cancelled
+        except BaseException as e:  # the agent is user code: any error ends this rollout only; a sys.exit() escaping
+            # would end the runner's agent loop, and every later rollout would time out. A CancelledError the agent
+            # raised itself (nobody cancelled this task) would end its whole group. Another BaseException (a grader's
+            # func_timeout.FunctionTimedOut) crossed Ray to the driver past every `except Exception`: the run ended
+            # in a traceback (exit 1), its roles not torn down.
+            if isinstance(e, GeneratorExit) or isinstance(e, asyncio.CancelledError) and \
+                    asyncio.current_task().cancelling():
+                raise  # this rollout really is being cancelled (or its coroutine closed)
             who = failed_on(self, episode)
             if isinstance(e, TimeoutError) and deadline.expired():  # ours, not a TimeoutError the agent raised
                 log.warning("rollout %s (%s): agent exceeded timeout_s=%s", episode.rollout_id, who, timeout_s)

@@ -135,7 +135,10 @@ class AgentRunnerActor(BatchedCallee):
                 # (the group's agent and row first, as a rollout's failure names them: base.py failed_on)
                 self.errors[AGENT_TIMEOUT] = f"{failed_on(self.runner, episodes[0])}: {why.format(self.timeout_s)}"
             return [(None, AGENT_TIMEOUT)] * n_samples
-        except Exception as e:  # noqa: BLE001 -- a Runner's own run_group is user code: its group fails, counted
+        except BaseException as e:  # a Runner's own run_group is user code: its group fails, counted (any error, as
+            # a rollout's in Runner._run_one: a BaseException past here failed the run in a traceback, not torn down)
+            if isinstance(e, (asyncio.CancelledError, GeneratorExit)):  # this call's own
+                raise
             self.errors.setdefault(AGENT_EXCEPTION, f"{failed_on(self.runner, episodes[0])}: "
                                                     f"{type(self.runner).__name__}.run_group raised "
                                                     f"{type(e).__name__}: {e}")

@@ -686,6 +686,27 @@ def test_an_agent_calling_sys_exit_fails_its_rollout_only():
     assert dict(second.failures) == {"empty_session": 1}
 
 
+class FunctionTimedOut(BaseException):
+    """As func_timeout's (a grader's time limit): a BaseException, so that `except Exception` does not swallow it."""
+
+
+def test_an_agent_raising_any_base_exception_fails_its_rollout_only():
+    """Before: it left the group's gather, crossed Ray to the driver past every `except Exception` and ended the run
+    in a traceback (exit 1), its roles not torn down."""
+
+    class Grading(Runner):
+        async def execute(self, episode, generator, tokenizer):
+            if episode.label == "slow":
+                raise FunctionTimedOut("grading ran past 5 s")
+            return []
+
+    eps = [Episode(prompt="p", sampling=Sampling(max_tokens=1), max_length=8, label=label) for label in ("slow", "ok")]
+    outcome = asyncio.run(Grading().run_group(eps, None, None, 5))
+    assert dict(outcome.failures) == {"agent_exception": 1, "empty_session": 1}
+    assert outcome.errors["agent_exception"] == ("Grading on prompt 'p', label 'slow': FunctionTimedOut: grading ran "
+                                                 "past 5 s")
+
+
 def test_an_agent_raising_cancelled_error_fails_its_rollout_only_and_a_real_cancel_still_cancels():
     """Before: a CancelledError the agent raised itself (an inner task's, re-raised) left the gather and ended the
     whole group's run_group, every rollout lost and the runner's call failed."""
@@ -1021,25 +1042,29 @@ def test_an_engine_timeout_or_death_drops_the_rollout_as_the_engines_on_both_age
     assert dict(outcome.failures) == {"agent_exception": 1}
 
 
-def test_the_runner_process_counts_a_runner_whose_own_run_group_raises_and_marks_text_models(tiny_model, tmp_path):
+@pytest.mark.parametrize("error", ["RuntimeError", "FunctionTimedOut"])
+def test_the_runner_process_counts_a_runner_whose_own_run_group_raises_and_marks_text_models(tiny_model, tmp_path,
+                                                                                              error):
     """Before: a Runner overriding run_group that raised failed the runner actor's call (a traceback through Ray);
-    now its group's rollouts fail, counted as agent_exception with the message. A step runner on a text model is
-    told it takes no images (Result.images then fail the rollout, test_agents_images.py)."""
+    now its group's rollouts fail, counted as agent_exception with the message (a BaseException too: before, it
+    ended the run in a traceback). A step runner on a text model is told it takes no images (Result.images then fail
+    the rollout, test_agents_images.py)."""
     from molt_hydra.runtime.agent_runner import AgentRunnerActor
 
     (tmp_path / "custom.py").write_text(
         "from molt_hydra.agents.base import Runner\n"
+        "class FunctionTimedOut(BaseException):\n    pass\n"
         "class AgentRunner(Runner):\n"
         "    async def execute(self, episode, generator, tokenizer):\n        return []\n"
         "    async def run_group(self, episodes, generator, tokenizer, timeout_s=None):\n"
-        "        raise RuntimeError('my batching broke')\n")
+        f"        raise {error}('my batching broke')\n")
     kw = dict(tokenizer_path=tiny_model, max_len=64, timeout_s=5, engine_timeout_s=5, seed=0, max_turns=2)
     actor = AgentRunnerActor({"_target_": str(tmp_path / "custom.py")}, [object()], **kw)
     try:
         assert asyncio.run(actor.run_group({"prompt": "p"}, 2, Sampling(max_tokens=4))) == [
             (None, "agent_exception")] * 2
         assert actor.example_errors() == {"agent_exception": "AgentRunner on prompt 'p', label None: "
-                                                              "AgentRunner.run_group raised RuntimeError: my "
+                                                              f"AgentRunner.run_group raised {error}: my "
                                                               "batching broke"}
     finally:
         actor.agent_loop.call_soon_threadsafe(actor.agent_loop.stop)
