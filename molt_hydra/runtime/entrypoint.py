@@ -575,11 +575,11 @@ async def _main(cfg: RunConfig, record: dict, resume_from: Path | None, shown, n
         print(f"\nInterrupted: stopping every role{'' if cfg.job.value == 'eval' else KEPT}.", file=sys.stderr)
         name_checkpoint = True  # which one is named after the teardown: the last thing the user reads
         return EXIT_INTERRUPTED
-    except Exception as e:  # noqa: BLE001 - every other failure: one message, the traceback in a file
-        # Every rollout failing can be a stuck engine (its requests time out): then it is that engine's stall.
+    except BaseException as e:  # every other failure: one message, the traceback in a file; a BaseException too (a
+        if isinstance(e, (KeyboardInterrupt, SystemExit, GeneratorExit)):  # remote one through Ray: was a traceback)
+            raise
         stalled = await roles.calls.probe_rollout() if isinstance(e, RunFailed) and e.drops and roles else []
-        if stalled:
-            name_checkpoint = True
+        if name_checkpoint := bool(stalled):  # every rollout failing can be a stuck engine (its requests time out)
             return _stalled(cfg, role_pids, f"rollout stalled: {e.cause}", stalled, last_words)
         last_words += await _report_failure(cfg, roles, e)
         return EXIT_FAILED

@@ -4,6 +4,7 @@ only when it completed or failed. Before: both were "stopped at step N", as a ru
 
 from __future__ import annotations
 
+import asyncio
 import json
 import sys
 from pathlib import Path
@@ -100,3 +101,29 @@ def test_a_stalled_sft_run_is_failed_with_the_stall(monkeypatch, tmp_path, capsy
     assert (tmp_path / "run" / "failure.txt").read_text().splitlines()[0] == said
     assert [p.status for p in report.load_points(tmp_path / "run")] == [
         "failed: sft trainer rank 1 stalled: its process has made no progress for 60 s"]
+
+
+class FunctionTimedOut(BaseException):
+    """As func_timeout's: a BaseException, no Exception (Ray re-raises a remote one as its own kind)."""
+
+
+def test_a_base_exception_reaching_the_driver_fails_the_run_in_one_message(monkeypatch, capsys, tmp_path):
+    """Before: it passed `_main`'s `except Exception`: the run ended in a traceback (exit 1), no failure.txt."""
+    from molt_hydra.runtime import reaper, roles
+    from molt_hydra.runtime.preemption import PreemptionNotice
+
+    async def starting(*_):
+        raise FunctionTimedOut("grading ran past 5 s")
+
+    monkeypatch.setattr(roles, "build_roles", starting)
+    for name in ("descendants", "shutdown_ray", "kill"):  # (this process's children are pytest's, not a run's)
+        monkeypatch.setattr(entrypoint, name, lambda *a: [])
+    monkeypatch.setattr(reaper, "stop", lambda: None)
+    cfg = _config(tmp_path)
+    Path(cfg.output_dir).mkdir(parents=True)
+    code = asyncio.run(entrypoint._main(cfg, {}, None, value(stop=lambda: None), PreemptionNotice()))
+    assert code == EXIT_FAILED
+    lines = capsys.readouterr().err.strip().splitlines()
+    assert lines[-3:] == ["Run failed: driver: FunctionTimedOut: grading ran past 5 s.",
+                          "Last checkpoint: none (the run starts from step 0 again)",
+                          f"Details (traceback): {tmp_path / 'run' / 'failure.txt'}"], lines
