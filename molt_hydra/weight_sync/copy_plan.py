@@ -36,6 +36,8 @@ backends).
 from __future__ import annotations
 
 import contextlib
+import functools
+import itertools
 
 import torch
 
@@ -104,12 +106,14 @@ def merged(copies: list[tuple[torch.Tensor, torch.Tensor, bool]]) -> list[tuple[
     for copy in copies:
         dst, src, non_blocking = copy
         key = (_storage(dst), _storage(src), dst.dtype, src.dtype, dst.shape, dst.stride(), src.stride(), non_blocking)
-        groups.setdefault(key if dst.numel() else (id(copy),), {})[dst.data_ptr()] = copy
+        # a broadcast source (copy_ takes one) stays alone: stacked, its shape would not be its copies' elements
+        alone = not dst.numel() or src.shape != dst.shape
+        groups.setdefault((id(copy),) if alone else key, {})[dst.data_ptr()] = copy
     out = []
     for group in groups.values():
         free = dict(sorted(group.items()))
         while free:
-            first, *after = list(free.values())[:CANDIDATE_STEPS + 1]
+            first, *after = itertools.islice(free.values(), CANDIDATE_STEPS + 1)
             run = max((_progression(first, second, free) for second in after), key=len, default=[first])
             for dst, _, _ in run:
                 del free[dst.data_ptr()]
@@ -155,8 +159,12 @@ class CopyPlan:
         # copies into disjoint destinations may run in any order: spread over a few streams in the graph, so the many
         # small ones (norms) and each copy's launch gap hide behind the large ones; else one stream, recorded order
         self.streams = self.BRANCHES if disjoint([dst for dst, _, _ in copies]) else 1
-        self.replayed = merged(copies) if self.streams > 1 else copies  # what a replay runs
         self.graph = None  # CUDA: captured on the first replay
+
+    @functools.cached_property
+    def replayed(self) -> list[tuple[torch.Tensor, torch.Tensor, bool]]:
+        """What a replay runs: the copies merged where their order is free (made at the first replay)."""
+        return merged(self.copies) if self.streams > 1 else self.copies
 
     def replay(self) -> None:
         if self.copies and self.copies[0][0].is_cuda:

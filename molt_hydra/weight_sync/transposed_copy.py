@@ -21,8 +21,8 @@ TILE = 64
 def is_transposed(dst: torch.Tensor, src: torch.Tensor) -> bool:
     """[B,] R, C views where the destination's rows are contiguous and the source's columns are: the case the tiled
     kernel serves (else torch's `copy_` reads or writes along a contiguous dimension already)."""
-    return (dst.is_cuda and dst.dim() in (2, 3) and dst.shape[-1] > 1 and dst.shape[-2] > 1
-            and dst.stride(-1) == 1 and src.stride(-2) == 1 and src.stride(-1) != 1)
+    return (dst.is_cuda and src.is_cuda and src.shape == dst.shape and dst.dim() in (2, 3) and dst.shape[-1] > 1
+            and dst.shape[-2] > 1 and dst.stride(-1) == 1 and src.stride(-2) == 1 and src.stride(-1) != 1)
 
 
 def transposed_copy(dst: torch.Tensor, src: torch.Tensor) -> None:

@@ -278,3 +278,27 @@ def test_only_copies_at_constant_steps_in_both_tensors_merge():
     down.add_(1)
     plan.replay()
     assert torch.equal(engine.w2, down.flip(0).to(torch.bfloat16))
+
+
+def test_broadcast_sources_are_not_merged():
+    """copy_ broadcasts: a source of another shape than its destination (a row's first element, a 0-d element)
+    stays a copy of its own, though its steps would line up with its neighbours'."""
+    src, dst = torch.arange(9.0).reshape(3, 3), torch.zeros(3, 3)
+
+    def load():
+        dst[0].copy_(src[0, :1])  # [1] broadcast over row 0
+        dst[1].copy_(src[1])
+        dst[2].copy_(src[2])
+
+    plan = record_copy_plan(load, [("s", src)], [dst], ())
+    assert len(plan.replayed) == 2  # rows 1 and 2 merged, row 0 alone
+    src.mul_(-1)
+    plan.replay()
+    assert torch.equal(dst, torch.stack([src[0, 0].expand(3), src[1], src[2]]))
+
+    elements, rows = torch.arange(3.0), torch.zeros(3, 3)
+    plan = record_copy_plan(lambda: [rows[i].copy_(elements[i]) for i in range(3)], [("e", elements)], [rows], ())
+    assert len(plan.replayed) == 3
+    elements.add_(5)
+    plan.replay()
+    assert torch.equal(rows, elements[:, None].expand(3, 3))
