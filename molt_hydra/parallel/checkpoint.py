@@ -34,6 +34,7 @@ from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model
 
 from molt_hydra.config.schema import WEIGHTS_ALONE
 from molt_hydra.models import lora
+from molt_hydra.models.hub_cache import local_dir
 from molt_hydra.parallel import retention
 from molt_hydra.parallel.crc_reader import ChecksumMismatch, SummingReader
 
@@ -471,7 +472,7 @@ def _save_tokenizer(tokenizer_path: str | None, out: Path) -> Path | None:
     """The model's tokenizer beside its weights, when its directory has one; returns that directory. A hub id's
     (model.tokenizer_path=org/name, which the run's tokenizer loads from the HF cache): its snapshot there. Before:
     only a local directory's was exported, a hub id's tokenizer left out without a word."""
-    local = _local_dir(tokenizer_path) if tokenizer_path is not None else None
+    local = local_dir(tokenizer_path) if tokenizer_path is not None else None
     if local is None and tokenizer_path is not None:  # (a host whose HF cache lacks it: said, the export goes on)
         log.warning("HF export: its tokenizer %s is neither a directory nor in this host's HF cache, so the export "
                     "carries none (save it beside the weights: AutoTokenizer.from_pretrained(%r).save_pretrained("
@@ -482,18 +483,3 @@ def _save_tokenizer(tokenizer_path: str | None, out: Path) -> Path | None:
     AutoTokenizer.from_pretrained(local).save_pretrained(out)
     return local
 
-
-def _local_dir(path: str) -> Path | None:
-    """`path` as a local directory: itself, or a hub id's snapshot in the HF cache (None where neither: a name never
-    downloaded on this host, or no name at all)."""
-    if Path(path).is_dir():
-        return Path(path)
-    from huggingface_hub import try_to_load_from_cache
-
-    for name in ("tokenizer_config.json", "tokenizer.json", "config.json"):
-        try:
-            if isinstance(found := try_to_load_from_cache(path, name), str):
-                return Path(found).parent
-        except ValueError:  # (not a hub id: HFValidationError)
-            return None
-    return None

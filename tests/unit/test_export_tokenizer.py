@@ -64,3 +64,30 @@ def test_a_hub_id_not_in_the_cache_is_exported_without_a_tokenizer_saying_so(tmp
         export_hf(tmp_path / "full", _model(), tokenizer_path=hub_tokenizer[0], dtype=torch.float32)
     assert not list((tmp_path / "full").glob("tokenizer*"))
     assert "HF export: its tokenizer org/tok is neither a directory nor in this host's HF cache" in caplog.text
+
+
+def test_a_cached_hub_ids_config_is_read_where_validation_and_the_resume_check_need_it(tmp_path, monkeypatch):
+    """models/hub_cache.py: a hub id's snapshot in this host's HF cache serves model_fields (the family's LoRA
+    targets, the plan's shapes) as a local directory does; a name not downloaded here stays unknown."""
+    import json
+
+    import huggingface_hub.constants
+
+    from molt_hydra.models.rules import model_fields
+    from molt_hydra.runtime.resume_lora import adapter_change
+
+    snapshot = tmp_path / "hub" / "models--org--model" / "snapshots" / "c0ffee"
+    snapshot.mkdir(parents=True)
+    shutil.copy(Path(resolve_path("tiny://qwen3_tiny")) / "config.json", snapshot)
+    (snapshot.parents[1] / "refs").mkdir()
+    (snapshot.parents[1] / "refs" / "main").write_text("c0ffee")
+    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_CACHE", str(tmp_path / "hub"))
+    assert model_fields("org/model") == json.loads((snapshot / "config.json").read_text())
+    assert model_fields("org/never-downloaded") is None
+
+    def tree(targets):
+        return {"model": {"path": "org/model", "lora": {"rank": 8, "alpha": None, "target_modules": targets}}}
+
+    family = lora.resolve_targets("qwen3", None)  # what null resolves to for this model's family
+    assert adapter_change(tree(list(reversed(family))), tree(None)) is None  # the default spelled out: no change
+    assert adapter_change(tree(family[:1]), tree(None)) is not None
