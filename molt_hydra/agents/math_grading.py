@@ -124,9 +124,13 @@ class _Workers:
                     proc = self.idle.pop() if self.idle else None
                 if proc is None or proc.poll() is not None:  # none idle, or that one died while idle (OOM killer...)
                     proc = self._start()
-                proc.stdin.write(json.dumps([gold, pred]) + "\n")
-                proc.stdin.flush()
-                line = self._line(proc, timeout_s)
+                try:
+                    proc.stdin.write(json.dumps([gold, pred]) + "\n")
+                    proc.stdin.flush()
+                    line = self._line(proc, timeout_s)
+                except OSError:  # it died between the check and the write (a broken pipe): as a death grading
+                    proc.wait()
+                    line = ""
                 if line is None:
                     return None
                 if line:

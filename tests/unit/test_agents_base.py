@@ -1256,3 +1256,28 @@ def test_action_ranges_of_any_int_kind_are_taken_as_ints():
     for bad in [(True, 3), (1.0, 3)]:
         with pytest.raises(ValueError, match=r"Trajectory.action_ranges of R.execute holds"):
             check_built(Trajectory(token_ids=[1, 2, 3, 4], reward=1.0, action_ranges=[bad]), "R.execute")
+
+
+def test_a_worker_whose_pipe_broke_before_the_write_is_replaced(monkeypatch, caplog):
+    """A worker that died between the idle check and the write (a broken pipe) is a death grading: the answer goes
+    to a fresh worker (was: BrokenPipeError out of grade_math, the rollout failed)."""
+    from molt_hydra.agents import math_grading
+
+    class BrokenWorker:
+        returncode = -9
+
+        def poll(self):
+            return None  # still alive at the check
+
+        @property
+        def stdin(self):
+            raise BrokenPipeError(32, "Broken pipe")
+
+        def wait(self):
+            return self.returncode
+
+    monkeypatch.setattr(math_grading, "_WORKERS", math_grading._Workers())
+    math_grading._WORKERS.idle.append(BrokenWorker())
+    with caplog.at_level("WARNING", logger=math_grading.__name__):
+        assert grade_math(r"\boxed{5}", "5") == 1.0
+    assert "the math-verify worker died (exit code -9)" in caplog.text
