@@ -210,6 +210,8 @@ HOSTILE = [  # (path, raw body, status, param or None, words the message must co
     ("/v1/messages", b'{"max_tokens": 5, "messages": [{"role": "user", "content": "hi"}], "tools": [{"name": "f", '
      b'"input_schema": {"type": "object", "properties": {"x": {"type": "number", "maximum": Infinity}}}}]}', 400, None,
      "request body is not valid JSON: Infinity is not a JSON value"),
+    ("/v1/chat/completions", b'{"messages": [{"role": "user", "content": "hi"}], "metadata": {"a": 1e999}}', 400, None,
+     "request body is not valid JSON: 1e999 is past a float's range"),
     ("/v1/chat/completions", {"messages": USER, "seed": 2**64}, 400, "seed", "<= 9223372036854775807"),
     ("/v1/chat/completions", {"messages": USER, "tools": [TOOL], "tool_choice": {"type": "function", "function": "f"}},
      400, "tool_choice", "names no function"),

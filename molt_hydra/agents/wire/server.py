@@ -20,6 +20,7 @@ import functools
 import hmac
 import json
 import logging
+import math
 import re
 import secrets
 import threading
@@ -189,7 +190,7 @@ class ChatServer:
                                code="unknown_session")
         try:
             # bytes: JSON's own UTF-8/16/32, whatever charset says
-            body = json.loads(await request.read(), parse_constant=_not_json)
+            body = json.loads(await request.read(), parse_constant=_not_json, parse_float=_finite)
         except web.HTTPRequestEntityTooLarge:
             raise RequestError(413, f"request body is larger than {MAX_BODY_BYTES} bytes", code="request_too_large")
         except RecursionError:
@@ -252,6 +253,13 @@ def _not_json(name: str):
     """Python's decoder reads NaN / Infinity / -Infinity, which JSON has not (was: accepted, and a body echoing them,
     a Responses tool's schema, was sent back as no client's JSON parser but Python's reads it)."""
     raise ValueError(f"{name} is not a JSON value (JSON has no NaN or Infinity)")
+
+
+def _finite(text: str) -> float:
+    """A JSON number past float's range (1e999) reads as inf in Python: refused as NaN / Infinity are."""
+    if math.isinf(value := float(text)):
+        raise ValueError(f"{text} is past a float's range (it would read as Infinity)")
+    return value
 
 
 def _model_info(model_id: str) -> dict:
