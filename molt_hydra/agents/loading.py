@@ -19,10 +19,15 @@ from molt_hydra.agents.step_runner import StepEnvRunner
 from molt_hydra.agents.targets import resolve_target
 
 
+# Hydra's keys of an instantiate-shaped dict, not kwargs: `_recursive_: false` is Hydra's switch for "pass nested
+# `_target_` dicts as they are" (agents/rules.py refuses them otherwise: this loader builds the top target alone)
+HYDRA_KEYS = ("_target_", "_recursive_")
+
+
 def load_runner(spec: str | Mapping, **kwargs: Any) -> Runner:
     """`spec`: the `agent.runner` dict (`_target_` + kwargs) or a target string; extra kwargs override."""
     if isinstance(spec, Mapping):
-        kwargs = {**{k: v for k, v in spec.items() if k != "_target_"}, **kwargs}
+        kwargs = {**{k: v for k, v in spec.items() if k not in HYDRA_KEYS}, **kwargs}
         if "_target_" not in spec:
             raise ValueError(f"agent.runner needs a '_target_' key, got keys {sorted(spec)}")
         spec = spec["_target_"]

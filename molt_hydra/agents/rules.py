@@ -7,13 +7,13 @@ from __future__ import annotations
 
 import difflib
 import inspect
-from collections.abc import Sequence
 import os
 import re
+from collections.abc import Mapping, Sequence
 
 from molt_hydra.agents.base import Env, Runner
 from molt_hydra.agents.chat_agent import ChatAgent, ChatAgentRunner, row_image_part
-from molt_hydra.agents.loading import resolve_target
+from molt_hydra.agents.loading import HYDRA_KEYS, resolve_target
 from molt_hydra.agents.step_runner import StepEnvRunner
 from molt_hydra.agents.wire import openai_chat
 from molt_hydra.agents.wire.images import image_sources, load_image
@@ -67,23 +67,29 @@ def _local_module_fix(target: str, error: Exception) -> str:
     return TARGET_FIX
 
 
-def _nested_targets(problems: Problems, cls: type, value, key: str) -> None:
+def _nested_targets(problems: Problems, cls: type, value, key: str, seen: set[int]) -> None:
     """A kwarg holding its own `_target_` (Hydra's nested instantiation) is passed to the agent as the dict it is: the
     loader builds the agent.runner target alone. Was: taken, and every rollout failed inside the agent on the dict
-    (`'dict' object has no attribute 'grade'`); refused here, naming the key."""
-    if hasattr(value, "items"):
-        if "_target_" in value and key != "agent.runner":
+    (`'dict' object has no attribute 'grade'`); refused here, naming the key, unless agent.runner._recursive_=false
+    (Hydra's own switch) says the agent builds it. `seen`: containers already walked (a value that holds itself)."""
+    if id(value) in seen or isinstance(value, (str, bytes)):
+        return
+    seen.add(id(value))
+    if isinstance(value, Mapping):  # (a dict, an OmegaConf DictConfig)
+        if "_target_" in value:
             problems.check(False, key, f"holds a '_target_' ({value['_target_']!r}), but the agent's kwargs reach "
                            f"{cls.__name__} as they are: it would get this dict, not the object it names (only "
                            "agent.runner._target_ is built).", f"give {cls.__name__} the class as a string kwarg and "
                            "its settings as plain kwargs, and build the object in its constructor "
-                           "(molt_hydra.agents.targets.resolve_target resolves the string)")
+                           "(molt_hydra.agents.targets.resolve_target resolves the string); or, where the agent "
+                           "builds it from the dict itself (hydra.utils.instantiate), set agent.runner._recursive_="
+                           "false, Hydra's switch for passing it as it is")
             return
         for name, inner in value.items():
-            _nested_targets(problems, cls, inner, f"{key}.{name}")
-    elif isinstance(value, Sequence) and not isinstance(value, (str, bytes)):  # (a list, an OmegaConf ListConfig)
+            _nested_targets(problems, cls, inner, f"{key}.{name}", seen)
+    elif isinstance(value, Sequence):  # (a list, an OmegaConf ListConfig)
         for at, inner in enumerate(value):
-            _nested_targets(problems, cls, inner, f"{key}[{at}]")
+            _nested_targets(problems, cls, inner, f"{key}[{at}]", seen)
 
 
 def _kwarg_problems(problems: Problems, cls, kwargs: dict) -> None:
@@ -188,8 +194,12 @@ def check_agent(cfg: RunConfig, problems: Problems) -> None:
     if cls is None:
         return
     _chat_settings_read(cfg, problems, cls)
-    spec, before = {k: v for k, v in cfg.agent.runner.items() if k != "_target_"}, len(problems.lines)
-    _nested_targets(problems, cls, spec, "agent.runner")
+    spec, before = {k: v for k, v in cfg.agent.runner.items() if k not in HYDRA_KEYS}, len(problems.lines)
+    recursive = cfg.agent.runner.get("_recursive_", True)
+    problems.check(isinstance(recursive, bool), "agent.runner._recursive_", f"is {recursive!r}, not a boolean.",
+                   "set it to false (nested _target_ dicts reach the agent as they are) or leave it out")
+    if recursive is True:
+        _nested_targets(problems, cls, spec, "agent.runner", set())
     _kwarg_problems(problems, cls, spec)
     if len(problems.lines) > before:
         return

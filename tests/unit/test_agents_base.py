@@ -486,11 +486,24 @@ def test_a_kwarg_holding_its_own_target_is_refused_naming_it(tmp_path):
             f"- {key}: holds a '_target_' ({grader['_target_']!r}), but the agent's kwargs reach GradedEnv as they "
             "are: it would get this dict, not the object it names (only agent.runner._target_ is built). Fix: give "
             "GradedEnv the class as a string kwarg and its settings as plain kwargs, and build the object in its "
-            "constructor (molt_hydra.agents.targets.resolve_target resolves the string)"]
+            "constructor (molt_hydra.agents.targets.resolve_target resolves the string); or, where the agent builds "
+            "it from the dict itself (hydra.utils.instantiate), set agent.runner._recursive_=false, Hydra's switch "
+            "for passing it as it is"]
     cfg, problems = RunConfig(), Problems()  # plain dicts and lists of them pass
     cfg.agent.runner = {"_target_": f"{tmp_path / 'graded.py'}:GradedEnv", "grader": {"scale": 2.0}}
     check_agent(cfg, problems)
     assert problems.lines == []
+    # Hydra's own switch: the agent gets the dict and builds it itself (the loader passes no _recursive_ kwarg)
+    cfg, problems = RunConfig(), Problems()
+    cfg.agent.runner = {"_target_": f"{tmp_path / 'graded.py'}:GradedEnv", "grader": grader, "_recursive_": False}
+    check_agent(cfg, problems)
+    assert problems.lines == []
+    runner = load_runner(cfg.agent.runner)
+    assert runner.env_kwargs == {"grader": grader}
+    cfg.agent.runner["_recursive_"] = "no"
+    check_agent(cfg, problems)
+    assert problems.lines == ["- agent.runner._recursive_: is 'no', not a boolean. Fix: set it to false (nested "
+                              "_target_ dicts reach the agent as they are) or leave it out"]
 
 
 def test_an_env_file_a_runner_imports_that_exits_is_a_config_error_naming_the_target(tmp_path):
