@@ -151,11 +151,12 @@ class AgentRunnerActor(BatchedCallee):
         or the segment, fails as agent_exception naming it. Before, a list for a RolloutOutcome failed as "'list'
         object has no attribute 'errors'", and a segment without its episode's rollout id, or with a reward of None,
         failed the whole run in the driver, as the driver's."""
-        from molt_hydra.agents.base import AGENT_EXCEPTION, RolloutOutcome, Runner, Trajectory, check_built
+        from molt_hydra.agents.base import AGENT_EXCEPTION, RolloutOutcome, Runner, Trajectory, check_built, failed_on
 
         name = f"{type(self.runner).__name__}.run_group"
+        who = failed_on(self.runner, episodes[0])  # (a group's rollouts share its prompt and label)
         if not isinstance(outcome, RolloutOutcome):
-            self.errors.setdefault(AGENT_EXCEPTION, f"TypeError: {name} must return a RolloutOutcome, got "
+            self.errors.setdefault(AGENT_EXCEPTION, f"{who}: TypeError: {name} must return a RolloutOutcome, got "
                                                     f"{type(outcome).__name__}")
             return [(None, AGENT_EXCEPTION)] * len(episodes)
         for reason, error in outcome.errors.items():
@@ -174,7 +175,7 @@ class AgentRunnerActor(BatchedCallee):
                                      "stamps them)")
                 check_built(t, name)
             except (TypeError, ValueError) as e:
-                self.errors.setdefault(AGENT_EXCEPTION, f"{type(e).__name__}: {e}")
+                self.errors.setdefault(AGENT_EXCEPTION, f"{who}: {type(e).__name__}: {e}")
                 results.append((None, AGENT_EXCEPTION))
             else:
                 results.append((t, None))

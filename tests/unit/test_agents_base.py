@@ -1253,7 +1253,9 @@ def test_the_runner_process_checks_what_a_runners_own_run_group_returns(tiny_mod
     bad = [s for s in said if s is not None]
     assert sorted(r for t, r in results if t is None) == ["agent_exception"] * len(bad), results
     assert [t.reward for t, r in results if t is not None] == [1.0] * (2 - len(bad))
-    assert actor.example_errors()["agent_exception"].startswith(bad[0]), actor.example_errors()
+    # (named by the runner, the group's prompt and label first, as a rollout's failure is: base.py failed_on)
+    assert actor.example_errors()["agent_exception"].startswith("AgentRunner on prompt 'p', label None: " + bad[0]), \
+        actor.example_errors()
 
 
 def test_action_ranges_of_any_int_kind_are_taken_as_ints():
