@@ -644,14 +644,21 @@ def _rename(row: dict, where: str, input_key: str, label_key: str | None, tools_
         raise ValueError(f"{where}: data.label_key={label_key!r} is {'null' if label is None else 'NaN'} (or missing "
                          "from this row). Fix: give every row its label, or set data.label_key=null for data without "
                          "labels (the agent then gets '')")
-    out = {"prompt": prompt, "label": label,
-           # a null datasource (a column some rows leave empty) is the default one, not an eval metric named "None"
-           "datasource": str(row.get("datasource") or "default")}
+    out = {"prompt": prompt, "label": label, "datasource": _datasource(row.get("datasource"))}
     if tools_key and row.get(tools_key) is not None:  # optional columns: absent when unset or null
         out["tools"] = _tools(row[tools_key], where, tools_key)
     if image_key and row.get(image_key) is not None:
         out["images"] = row[image_key]
     return out
+
+
+def _datasource(value) -> str:
+    """The name a row's eval metrics carry (eval_<datasource>_pass1): a null one (a column some rows leave empty; NaN,
+    pandas' missing value) or blank text is the default one, not a metric named "None" or "nan"; any other value is
+    its own by its text (was: a falsy one, datasource 0 or false, was the default too, its scores merged with the
+    unnamed rows' while datasource 1 kept its own)."""
+    missing = value is None or isinstance(value, float) and math.isnan(value) or not str(value).strip()
+    return "default" if missing else str(value)
 
 
 def _messages_text(prompt):

@@ -280,6 +280,15 @@ def test_a_null_datasource_is_the_default_one(tmp_path):
     assert [r["datasource"] for r in load_prompts(str(path))] == ["gsm8k", "default"]
 
 
+def test_a_falsy_datasource_keeps_its_name(tmp_path):
+    """Datasources numbered from 0 keep each its own eval metrics. Before: datasource 0 (falsy) became "default", its
+    scores merged with the unnamed rows' (eval_default_pass1) while datasource 1 kept eval_1_pass1."""
+    path = tmp_path / "rows.jsonl"
+    ids = [0, 1, None]
+    path.write_text("".join(json.dumps({"prompt": "a", "label": "1", "datasource": i}) + "\n" for i in ids))
+    assert [r["datasource"] for r in load_prompts(str(path))] == [str(i) if i is not None else "default" for i in ids]
+
+
 def test_tools_as_json_text_are_decoded_per_row(tmp_path):
     """JSON text keeps each row's schemas as written (datasets merges JSON objects of a column into one struct, adding
     every other row's keys as nulls). Before: the text was handed to the chat template as it was."""
