@@ -800,7 +800,7 @@ def sweep_checked(first: DictConfig, overrides: list[str], config_dir: str | Non
     if len(points) > ANNOUNCED_SWEEP:  # each point takes ~0.5 s: a long sweep's check is not a silent wait
         print(f"Checking each of the sweep's {len(points)} points before the first starts (composed, validated and "
               "planned one after another) ...", file=sys.stderr, flush=True)
-    problems, owners, results, seen = _repeated_points(points), {}, [], {}
+    problems, owners, results, seen, failed = _repeated_points(points), {}, [], {}, []
     sweep_dir, raw = Path(os.path.abspath(first.hydra.sweep.dir)), str(first.hydra.sweep._get_node("subdir")._value())
     for number, point in enumerate(points):  # the point's own output directory, as Hydra will name it (a stand-in
         # where hydra.sweep.subdir reads what is known only as the point starts)
@@ -809,12 +809,12 @@ def sweep_checked(first: DictConfig, overrides: list[str], config_dir: str | Non
         cfg, errors = compose_checked(as_run, config_dir=config_dir, hydra_config=True)
         subdir = (sweep_subdir(cfg, number, submits) if cfg is not None else None) or str(number)
         if (owner := owners.setdefault(("dir", sweep_dir / subdir), number)) != number:
-            problems += [f"sweep point #{number} of {len(points)} ({' '.join(point)}):", f"- hydra.sweep.subdir: "
-                         f"{raw!r} names {sweep_dir / subdir} for it and for sweep point #{owner}" + (
-                             " (a key they differ in is left out of hydra.job.override_dirname: hydra.job.config."
-                             "override_dirname.exclude_keys)" if "override_dirname" in raw else "") + ", so it would "
-                         "resume from, overwrite or be locked out of that point's files. Fix: put ${hydra.job.num} in "
-                         "it, or leave it out"]
+            failed.append((number, point, [
+                f"- hydra.sweep.subdir: {raw!r} names {sweep_dir / subdir} for it and for sweep point #{owner}" + (
+                    " (a key they differ in is left out of hydra.job.override_dirname: hydra.job.config."
+                    "override_dirname.exclude_keys)" if "override_dirname" in raw else "") + ", so it would resume "
+                "from, overwrite or be locked out of that point's files. Fix: put ${hydra.job.num} in it, or leave it "
+                "out"]))
             continue
         errors, result = (errors, None) if cfg is None else point_problems(as_run, sweep_dir / subdir, config_dir, cfg)
         results += [] if submits else [(point, result)]  # (submitted, a dry sweep plans in its jobs too)
@@ -827,8 +827,36 @@ def sweep_checked(first: DictConfig, overrides: list[str], config_dir: str | Non
         if result is not None and (same := _same_config(result[0], number, point, seen)):
             errors.append(same)
         if errors:
-            problems += [f"sweep point #{number} of {len(points)} ({' '.join(point)}):", *errors]
-    return problems, results
+            failed.append((number, point, errors))
+    return problems + _failed_points(failed, len(points)), results
+
+
+def _failed_points(failed: list[tuple[int, list[str], list[str]]], total: int) -> list[str]:
+    """Each failing sweep point's problem lines under a line naming the point; points failing with the very same lines
+    (a bad value they share) under one line naming them all, the lines once: they were repeated for every point, 60
+    times over in a sweep of 60 points."""
+    groups: dict[tuple[str, ...], list[tuple[int, list[str]]]] = {}
+    for number, point, errors in failed:
+        groups.setdefault(tuple(errors), []).append((number, point))
+    lines = []
+    for errors, members in groups.items():  # (in the order of each group's first point)
+        (number, point), count = members[0], len(members)
+        which = "every point" if count == total else f"{count} points"
+        lines += [f"sweep point #{number} of {total} ({' '.join(point)}):" if count == 1 else
+                  f"sweep points {_numbers([n for n, _ in members])} of {total} ({which}, the same problems; "
+                  f"#{number} is {' '.join(point)}):", *errors]
+    return lines
+
+
+def _numbers(numbers: list[int]) -> str:
+    """Ascending point numbers, each run of three or more consecutive ones as its ends: #0-#59, #61, #63."""
+    runs: list[list[int]] = []
+    for n in numbers:
+        if runs and n == runs[-1][-1] + 1:
+            runs[-1].append(n)
+        else:
+            runs.append([n])
+    return ", ".join(f"#{r[0]}-#{r[-1]}" if len(r) > 2 else ", ".join(f"#{n}" for n in r) for r in runs)
 
 
 def launcher_swept(parsed: list, texts: list[str], overrides: list[str], config_dir: str | None) -> list[str]:

@@ -160,8 +160,21 @@ def test_a_recipes_sweep_params_are_points_too():
     assert problems == [] and sweep_problems(first, overrides, None) == []
     overrides.append("rollout.n_samples_per_prompt=1,8")  # 1: no group for any of the 3 group estimators; 8: as set
     first, _ = compose_checked(overrides, multirun=True, hydra_config=True)
-    heads = [line for line in sweep_problems(first, overrides, None) if line.startswith("sweep point #")]
-    assert len(heads) == 6 and all(" of 12 (" in h and "rollout.n_samples_per_prompt=1" in h for h in heads), heads
+    heads = [line for line in sweep_problems(first, overrides, None) if line.startswith("sweep point")]
+    # points run estimator x IS level x samples: the even ones fail, an estimator's two IS levels alike (one line)
+    assert [h.split(" (")[0] for h in heads] == [f"sweep points #{4 * i}, #{4 * i + 2} of 12" for i in range(3)], heads
+    assert all("rollout.n_samples_per_prompt=1" in h for h in heads), heads
+
+
+def test_sweep_points_failing_alike_are_reported_once():
+    """A bad value every point shares: its problem once, under one line naming the points. Before: the same lines were
+    repeated under each point's own line, 60 times over in a sweep of 60 points."""
+    overrides = ["seed=1,2,3", "train.batch_size=-5", "dry_run=true"]
+    first, _ = compose_checked(overrides, multirun=True, hydra_config=True)
+    lines = sweep_problems(first, overrides, None)
+    assert lines[0] == ("sweep points #0-#2 of 3 (every point, the same problems; #0 is seed=1 train.batch_size=-5 "
+                        "dry_run=True):"), lines
+    assert len(lines) == 2 and lines[1].startswith("- train.batch_size: ") and " Fix: " in lines[1], lines
 
 
 @pytest.mark.parametrize("override", ["hydra.sweeper.params={seed:'1,2'}", "+hydra.sweeper.params.seed='1,2'",
