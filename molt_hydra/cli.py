@@ -1248,7 +1248,8 @@ def unread_on_command_line(first: DictConfig, overrides: list[str]) -> list[str]
     takes train.max_tokens_per_micro_batch as its budget then (runtime/trainer_options.py); conf/config.yaml sets it.
     data.input_key (and the other columns) under job=eval over builtin:// eval data: no column is read (a recipe's
     keys name its training data's columns; data/rules.py refuses them where the run's own data is builtin).
-    rollout.temperature (batch_size, top_p, max_new_tokens) under job=eval where eval.temperature is set."""
+    rollout.temperature (batch_size, top_p, max_new_tokens) under job=eval where eval.temperature is set.
+    train.batch_size under train.force_on_policy, other than the rollout step's samples, which replace it (derive)."""
     from molt_hydra.data.prompts import BUILTIN
     from molt_hydra.data.rules import COLUMN_KEYS
     from molt_hydra.models.rules import LORA_MUON_INERT
@@ -1257,6 +1258,7 @@ def unread_on_command_line(first: DictConfig, overrides: list[str]) -> list[str]
     wandb_mode, job = (getattr(v, "value", v) for v in (first.logger.wandb.mode, first.job))  # (job=sft: JOB_IGNORES)
     specs = [part.strip() for part in (first.eval.data_path or "").split(",")]
     builtin_eval = job == "eval" and bool(specs) and all(s.startswith(BUILTIN) for s in specs)
+    step, batch = _step_samples(first), OmegaConf.select(first, "train.batch_size", throw_on_resolution_failure=False)
     return [f"- {key}: {reason} Fix: {fix}" for key, unread, reason, fix in (
         *((key, builtin_eval, f"job=eval reads eval.data_path={first.eval.data_path} only, builtin:// tasks that "
            "generate their own rows: no column is read, so it changes nothing.", f"unset {key}, or point "
@@ -1276,7 +1278,20 @@ def unread_on_command_line(first: DictConfig, overrides: list[str]) -> list[str]
         ("train.micro_batch_size", first.train.dynamic_batch and job != "eval", "it budgets a micro-batch as "
          "micro_batch_size x data.max_len tokens, but train.dynamic_batch=true budgets it by "
          "train.max_tokens_per_micro_batch, so it changes nothing.", "drop train.micro_batch_size and set "
-         "train.max_tokens_per_micro_batch, or set train.dynamic_batch=false")) if unread and key in given]
+         "train.max_tokens_per_micro_batch, or set train.dynamic_batch=false"),
+        # (was: replaced without a word, though docs/molt_options.md says the two must agree)
+        ("train.batch_size", job == "rl" and first.train.force_on_policy and step is not None and batch != step,
+         f"train.force_on_policy=true steps once over each rollout step's samples, rollout.batch_size x "
+         f"rollout.n_samples_per_prompt = {step}, which the run takes as train.batch_size: {batch} would be replaced.",
+         f"set train.batch_size={step} (or drop it), or set train.force_on_policy=false")) if unread and key in given]
+
+
+def _step_samples(cfg: DictConfig) -> int | None:
+    """rollout.batch_size x rollout.n_samples_per_prompt of a composed config; None where either is no int (a bad
+    value: its own check reports it)."""
+    values = [OmegaConf.select(cfg, f"rollout.{name}", throw_on_resolution_failure=False)
+              for name in ("batch_size", "n_samples_per_prompt")]
+    return values[0] * values[1] if all(isinstance(v, int) for v in values) else None
 
 
 def _exit_config_error(text: str) -> None:

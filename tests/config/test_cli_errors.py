@@ -385,6 +385,22 @@ def test_a_micro_batch_size_under_dynamic_batching_is_refused_on_its_command_lin
         assert unread_on_command_line(compose_config(ok), ok) == []
 
 
+def test_a_batch_size_under_force_on_policy_is_refused_unless_it_is_the_step():
+    """train.force_on_policy makes each optimizer step the rollout step's samples, which derive() writes over
+    train.batch_size. Before: train.batch_size=16 on the command line was accepted and replaced without a word."""
+    cfg = compose_config([])
+    step = cfg.rollout.batch_size * cfg.rollout.n_samples_per_prompt
+    overrides = ["train.force_on_policy=true", f"train.batch_size={step // 2}"]
+    assert unread_on_command_line(compose_config(overrides), overrides) == [
+        f"- train.batch_size: train.force_on_policy=true steps once over each rollout step's samples, "
+        f"rollout.batch_size x rollout.n_samples_per_prompt = {step}, which the run takes as train.batch_size: "
+        f"{step // 2} would be replaced. Fix: set train.batch_size={step} (or drop it), or set "
+        "train.force_on_policy=false"]
+    for ok in (["train.force_on_policy=true", f"train.batch_size={step}"], ["train.force_on_policy=true"],
+               [f"train.batch_size={step // 2}"]):
+        assert unread_on_command_line(compose_config(ok), ok) == [], ok
+
+
 def test_a_key_is_refused_once_with_one_reason():
     overrides = ["job=eval", "train.epochs=2", "train.epochs=3", "rollout.weight_sync.probe_every=2"]
     lines = job_ignored(compose_config(overrides), overrides)
