@@ -544,6 +544,11 @@ def engine_size_rules(cfg: RunConfig, problems: Problems, needs: frozenset[str])
          f"decode context parallelism runs on the engine's TP ranks, so {r.decode_context_parallel_size} must divide "
          f"rollout.tensor_parallel_size={r.tensor_parallel_size} (vLLM refuses the engine otherwise).",
          "set it to a divisor of rollout.tensor_parallel_size (1 = off)"),
+        # vLLM's FusedMoEParallelConfig spreads the experts only over more than one rank (was: taken, and inert)
+        (not r.enable_expert_parallel or r.tensor_parallel_size * r.data_parallel_size > 1,
+         "rollout.enable_expert_parallel", "vLLM spreads the experts over the engine's TP x DP ranks, and "
+         "rollout.tensor_parallel_size x rollout.data_parallel_size = 1, so it changes nothing.",
+         "set rollout.tensor_parallel_size or rollout.data_parallel_size above 1, or unset it"),
     ))
 
 

@@ -56,6 +56,9 @@ CROSS_GROUP = [
     ("unknown_policy_loss", ["algorithm.policy_loss=nope"], "algorithm.policy_loss", "'nope' is not a registered loss"),
     ("plugin_import", ["algorithm.plugins=[no_such_module_for_molt_tests]"], "algorithm.plugins",
      "cannot import 'no_such_module_for_molt_tests'"),
+    # before, accepted: vLLM turns expert parallelism on only over more than one rank (qwen3_moe_geo3k: TP 2, valid)
+    ("expert_parallel_one_rank", ["model=qwen3_moe_tiny", "rollout.enable_expert_parallel=true"],
+     "rollout.enable_expert_parallel", "rollout.tensor_parallel_size x rollout.data_parallel_size = 1, so it changes"),
     ("groups_need_samples", ["rollout.n_samples_per_prompt=1"], "rollout.n_samples_per_prompt",
      "estimator grpo compares samples within a group, so it needs > 1"),
     ("distill_needs_teacher", ["algorithm=on_policy_distill"], "model.ref_path", "on_policy_distill needs a teacher"),
