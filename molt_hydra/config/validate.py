@@ -549,6 +549,10 @@ def engine_size_rules(cfg: RunConfig, problems: Problems, needs: frozenset[str])
          "rollout.enable_expert_parallel", "vLLM spreads the experts over the engine's TP x DP ranks, and "
          "rollout.tensor_parallel_size x rollout.data_parallel_size = 1, so it changes nothing.",
          "set rollout.tensor_parallel_size or rollout.data_parallel_size above 1, or unset it"),
+        # vLLM builds its custom all-reduce for the TP group alone, of more than one rank (cuda_communicator.py)
+        (cpu or not r.disable_custom_all_reduce or r.tensor_parallel_size > 1, "rollout.disable_custom_all_reduce",
+         "vLLM's custom all-reduce runs among an engine's TP ranks only, and rollout.tensor_parallel_size=1 has none "
+         "to reduce over, so it changes nothing.", "unset it, or set rollout.tensor_parallel_size above 1"),
     ))
 
 

@@ -59,6 +59,9 @@ CROSS_GROUP = [
     # before, accepted: vLLM turns expert parallelism on only over more than one rank (qwen3_moe_geo3k: TP 2, valid)
     ("expert_parallel_one_rank", ["model=qwen3_moe_tiny", "rollout.enable_expert_parallel=true"],
      "rollout.enable_expert_parallel", "rollout.tensor_parallel_size x rollout.data_parallel_size = 1, so it changes"),
+    # before, accepted: vLLM builds its custom all-reduce for a TP group of more than one rank only
+    ("custom_all_reduce_one_rank", ["cluster=local_gpus", "rollout.disable_custom_all_reduce=true"],
+     "rollout.disable_custom_all_reduce", "rollout.tensor_parallel_size=1 has none to reduce over"),
     ("groups_need_samples", ["rollout.n_samples_per_prompt=1"], "rollout.n_samples_per_prompt",
      "estimator grpo compares samples within a group, so it needs > 1"),
     ("distill_needs_teacher", ["algorithm=on_policy_distill"], "model.ref_path", "on_policy_distill needs a teacher"),
