@@ -66,8 +66,9 @@ JOB_IGNORES: dict[str, dict[str, str | None]] = {
         "rollout.n_samples_per_prompt": "samples eval.n_samples_per_prompt per prompt (null = 1)",
         "rollout.top_k": "samples without top-k (as every evaluation does)",
         **{f"rollout.{name}": "generates no training batch" for name in ("max_inflight_groups", "incomplete_groups")},
+        # (plain_cpu_weights: plain linear layers make a sync one copy, and only slow decoding where none comes)
         **{f"rollout.{name}": "starts no trainer, so no weights reach the engines" for name in (
-            "weight_sync", "routing_replay")},
+            "weight_sync", "routing_replay", "plain_cpu_weights")},
         **{f"logger.{name}": "logs its one evaluation only (this shapes the per-step training log)" for name in (
             "every_steps", "sample_table_every", "dump_trajectories", "debug_rollout")},
         "logger.debug_grad_norms": _NO_TRAINER,

@@ -317,7 +317,8 @@ EVAL_IGNORED = ["train.optimizer.lr=0.1", "train.epochs=2", "train.mode=sync", "
                 "model.gradient_checkpointing=none", "checkpoint.save_steps=5", "checkpoint.resume=auto",
                 "data.train_path=builtin://toy", "data.max_samples=4", "eval.every_steps=2", "eval.at_start=true",
                 "rollout.n_samples_per_prompt=2", "rollout.top_k=5", "rollout.weight_sync.bucket_mb=4",
-                "rollout.routing_replay=true"]
+                "rollout.routing_replay=true",
+                "rollout.plain_cpu_weights=true"]  # (before, accepted: plain weights make a sync one copy; none comes)
 # what it reads: the engines, the agent, the sampling eval.* falls back to, its timeouts, the model it scores
 EVAL_READS = ["train.timeouts.step_s=100", "train.timeouts.startup_s=100", "train.timeouts.engine_call_s=100",
               "checkpoint.path=/tmp", "rollout.temperature=0.5", "rollout.batch_size=4", "rollout.max_new_tokens=8",
