@@ -3510,3 +3510,21 @@ def test_a_completion_without_max_tokens_runs_to_the_turns_cap_not_openais_16(to
 
     caps, cap = asyncio.run(go())
     assert caps == [cap, 5] and cap != 16
+
+
+def test_a_route_with_a_trailing_slash_is_told_to_drop_it(tok):
+    """`POST .../v1/chat/completions/` is no route; its 404 said no chat completion is stored here, which sends the
+    user looking for the wrong mistake."""
+    async def go():
+        server, _ = await serving(tok, ScriptedEngine(tok, "Hello."))
+        try:
+            async with aiohttp.ClientSession(headers={"Authorization": "Bearer k"}) as http:
+                url = server.session_url("s") + "/v1/chat/completions/"
+                async with http.post(url, json={"messages": USER}) as r:
+                    return r.status, await r.json()
+        finally:
+            await server.stop()
+
+    status, body = asyncio.run(go())
+    assert status == 404
+    assert body["error"]["message"].endswith("(no trailing slash: POST /s/s/v1/chat/completions)")

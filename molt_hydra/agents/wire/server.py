@@ -289,6 +289,9 @@ async def _json_errors(request: web.Request, handler):
         elif e.status == 404 and "/judge/" in request.path:  # e.g. the Agents SDK's default Responses model
             error.message += (f" (the judge serves only {JUDGE}, non-streamed: call client.chat.completions.create, "
                               "or in the Agents SDK use OpenAIChatCompletionsModel)")
+        elif e.status == 404 and request.path.endswith("/") and any(  # (was: told no completion is stored here)
+                request.path.rstrip("/").endswith(route) for route in (*WIRES, COUNT_TOKENS)):
+            error.message += f" (no trailing slash: {request.method} {request.path.rstrip('/')})"
         elif e.status == 404 and re.match(r"/s/[^/]+/(v1/v1/|(?!v1/|judge/))", request.path):  # (was: bare)
             error.message += (" (a client's base_url with /v1 twice or none: the OpenAI client takes "
                               "base_url=ctx.base_url, which ends in /v1; the Anthropic client takes "
