@@ -8,23 +8,31 @@ MixedPrecisionPolicy in `parallel/fsdp.py`, not here.
 from __future__ import annotations
 
 import importlib.util
+import os
 from pathlib import Path
 
 import torch
 from torch import nn
 
-from molt_hydra.models import vlm
+from molt_hydra.models import hub_cache, vlm
 from molt_hydra.models.smollm2 import resolve_smollm2
-from molt_hydra.models.tiny import resolve_model_path
+from molt_hydra.models.tiny import TINY_SCHEME, resolve_model_path
 # imported where used: transformers (heavy)
 
 ROLES = ("actor", "ref", "critic")
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}  # model.param_dtype
 
 
-def resolve_path(path: str) -> str:
-    """`tiny://NAME` and `smollm2://NAME` build a local model directory once; any other path is used as is."""
-    return resolve_smollm2(path) if path.startswith("smollm2://") else resolve_model_path(path)
+def resolve_path(path: str, weights: bool = True) -> str:
+    """`tiny://NAME` and `smollm2://NAME` build a local model directory once; a hub id (org/name, no local path) is
+    its snapshot in this host's HF cache (models/hub_cache.py: downloaded first if need be, its weights unless
+    `weights` is off, for a tokenizer); a local path as is. Was: a hub id passed on as is, which the trainer's config
+    loader refused ("does not exist"), so a recipe on Qwen/Qwen3-4B could not train even with the model cached."""
+    if path.startswith("smollm2://"):
+        return resolve_smollm2(path)
+    if path.startswith(TINY_SCHEME) or os.path.exists(os.path.expanduser(path)):
+        return resolve_model_path(path)
+    return hub_cache.snapshot(path, weights)
 
 
 def resolve_backend(backend: str) -> str:
@@ -65,7 +73,7 @@ def load_config(path: str, config_overrides: dict | None = None, random_init: bo
     import transformers
 
     if not Path(path).exists() and not random_init:
-        raise FileNotFoundError(f"model path {path!r} does not exist (HF_HUB_OFFLINE: give a local directory)")
+        raise FileNotFoundError(f"model path {path!r} does not exist")
     config = transformers.AutoConfig.from_pretrained(path)
     for k, v in (config_overrides or {}).items():
         if not hasattr(config, k):

@@ -588,7 +588,8 @@ class TrainerWorker:
         if self.role == "critic":
             raise ValueError("export_hf exports causal LMs; the critic has no lm_head")
         # the tokenizer the run's token ids are of (model.tokenizer_path): was model.path's, another vocabulary's
-        tokenizer = resolve_path(self.spec.tokenizer_path) if self.spec.tokenizer_path else self.model_path
+        tokenizer = (resolve_path(self.spec.tokenizer_path, weights=False) if self.spec.tokenizer_path
+                     else self.model_path)
         out = ckpt.export_hf(out_dir, self.model, tokenizer_path=tokenizer, base_path=self.model_path,
                              dtype=DTYPES[dtype], to_hf=self._to_hf(), adapter=self.lora, merged=merged)
         return str(out) if out else None

@@ -313,7 +313,7 @@ def _load_rows(cfg: RunConfig, scoring: bool, tokenizer=None) -> tuple[list, lis
     from molt_hydra.models.build import resolve_path
     from molt_hydra.models.vlm import TrajectoryImages
 
-    d, path = cfg.data, resolve_path(cfg.model.tokenizer_path or cfg.model.path)
+    d, path = cfg.data, resolve_path(cfg.model.tokenizer_path or cfg.model.path, weights=False)
     # the agent runners' processor (agent_runner.py): an image it refuses drops its row here, named
     images = TrajectoryImages.for_model(path) if d.image_key and d.max_images_per_prompt else None
     tokenizer = AutoTokenizer.from_pretrained(path) if tokenizer is None else tokenizer
@@ -602,7 +602,7 @@ async def _build(cfg: RunConfig, run_record: dict, t0: float, up: dict, role_pid
     r, t = cfg.rollout, cfg.train
     scoring = cfg.job.value == "eval"
     model_path = resolve_path(cfg.checkpoint.path if scoring and cfg.checkpoint.path else cfg.model.path)
-    tokenizer_path = resolve_path(cfg.model.tokenizer_path or cfg.model.path)
+    tokenizer_path = resolve_path(cfg.model.tokenizer_path or cfg.model.path, weights=False)
     fsdp = fsdp_roles(cfg)
     shared_gpus, share = await colocated_placement(cfg, len(fsdp))
     engines, engine_starts, new_engine = _start_engines(cfg, model_path, shared_gpus, share, role_pids)
