@@ -129,6 +129,7 @@ class _Workers:
                     proc.stdin.flush()
                     line = self._line(proc, timeout_s)
                 except OSError:  # it died between the check and the write (a broken pipe): as a death grading
+                    proc.kill()
                     proc.wait()
                     line = ""
                 if line is None:

@@ -65,7 +65,7 @@ class ModelShape:
     @classmethod
     def from_hf_config(cls, c: dict) -> "ModelShape":
         vlm = "vision_config" in c or c.get("vision_params", 0) > 0
-        c = c.get("text_config", c) | {k: v for k, v in c.items() if k == "vision_params"}
+        outer, c = c, c.get("text_config", c) | {k: v for k, v in c.items() if k == "vision_params"}
         h, L, V = c["hidden_size"], c["num_hidden_layers"], c["vocab_size"]
         heads, kv = c["num_attention_heads"], c.get("num_key_value_heads", c["num_attention_heads"])
         hd = c.get("head_dim") or h // heads
@@ -77,7 +77,7 @@ class ModelShape:
         else:
             mlp_total = mlp_active = 3 * h * c["intermediate_size"]
         embed = V * h * (1 if c.get("tie_word_embeddings", False) else 2)
-        vision = c.get("vision_params", 0)
+        vision = c.get("vision_params") or _vision_params(outer.get("vision_config"))
         ffn = c.get("intermediate_size", 0)
         linears = {"q_proj": (h, heads * hd), "k_proj": (h, kv * hd), "v_proj": (h, kv * hd),
                    "o_proj": (heads * hd, h), "lm_head": (h, V),
@@ -87,8 +87,22 @@ class ModelShape:
                    kv_bytes_per_token_per_byte=2 * L * kv * hd, vision=vlm, linears=linears)
 
 
+def _vision_params(vision: dict | None) -> float:
+    """A vision tower's rough size from its config (12 x depth x width^2, as tiny_vlm.py's estimate): a real VLM's
+    config.json (a local directory, a cached hub snapshot) has no `vision_params` (was: its tower counted as 0)."""
+    if not isinstance(vision, dict):
+        return 0
+    depth = vision.get("depth") or vision.get("num_hidden_layers") or 0
+    return 12 * depth * (vision.get("hidden_size") or vision.get("embed_dim") or 0) ** 2
+
+
 def model_shape(path: str) -> ModelShape | None:
-    config = model_fields(path) or KNOWN_SHAPES.get(path)
+    """From model.path's config.json where it can be read here, else the shapes known above by name; a known VLM's
+    tower size (`vision_params`) beside a read config, which has none."""
+    known, config = KNOWN_SHAPES.get(path, {}), model_fields(path)
+    if config is not None and "vision_params" in known:
+        config = {**config, "vision_params": known["vision_params"]}
+    config = config or known
     return ModelShape.from_hf_config(config) if config else None
 
 

@@ -1288,6 +1288,9 @@ def test_a_worker_whose_pipe_broke_before_the_write_is_replaced(monkeypatch, cap
         def stdin(self):
             raise BrokenPipeError(32, "Broken pipe")
 
+        def kill(self):
+            pass
+
         def wait(self):
             return self.returncode
 
