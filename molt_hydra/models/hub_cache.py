@@ -1,5 +1,6 @@
 """A model or tokenizer location as a local directory: itself, or a hub id's snapshot in this host's HF cache, where
-transformers loads it from. Nothing is downloaded: a hub id never fetched on this host has none."""
+transformers loads it from. `local_dir` downloads nothing (validation, the plan, the export's tokenizer: a hub id
+never fetched on this host has none); `snapshot` downloads a run's model there first when it is not cached."""
 
 from __future__ import annotations
 
