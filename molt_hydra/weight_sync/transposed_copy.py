@@ -2,11 +2,13 @@
 that keeps them transposed (NeMo AutoModel's grouped experts are [E, hidden, 2I] / [E, I, hidden], vLLM's `w13` /
 `w2` are [E, 2I, hidden] / [E, hidden, I]).
 
-torch's `copy_` walks such a pair in the destination's order, so every warp reads 32 elements of 32 different rows
-of the source (16 of every 32-byte sector wasted for bf16): 0.15-0.19 of a device copy's bandwidth on an H100/H200
-(bench/RESULTS.md, sessions 26 and 34). This kernel moves a tile at a time, read along the source's contiguous
-dimension and written along the destination's (Triton stages the tile through shared memory between the two), as a
-transpose kernel does. CUDA only (Triton); bit-equal to `copy_`, casts included (round to nearest even).
+torch's elementwise `copy_` walks such a pair in the destination's order, reading the source across its rows. In the
+colocated runs the engine's load of AutoModel's experts, one transposed copy per expert and projection, ran at
+0.15-0.19 of a device copy (bench/RESULTS.md, sessions 26 and 34); merged one per layer and projection and copied by
+this kernel, at 0.92 (session 35; in one process, bench/expert_copy.py, the per-expert copies already ran at 0.92,
+so which of the two mattered in the run is not separated). The kernel moves a tile at a time, read along the
+source's contiguous dimension and written along the destination's (Triton stages the tile through shared memory), as
+a transpose kernel does. CUDA only (Triton); bit-equal to `copy_`, casts included (round to nearest even).
 """
 
 from __future__ import annotations
