@@ -189,7 +189,7 @@ def _started_nothing(monkeypatch):
     from molt_hydra.runtime import entrypoint
 
     started = []
-    monkeypatch.setattr(build, "resolve_path", lambda path: started.append(path) or path)
+    monkeypatch.setattr(build, "resolve_path", lambda path, weights=True: started.append(path) or path)
     monkeypatch.setattr(entrypoint, "ray_cluster", lambda *a: pytest.fail("Ray was started"))
     return started, entrypoint
 

@@ -79,7 +79,7 @@ def test_the_notice_before_the_roles_start_stops_the_run_at_once_through_its_han
 
     if handler == "submitit":
         signal.signal(signal.SIGUSR2, checkpoint_and_try_requeue)
-    monkeypatch.setattr(build, "resolve_path", lambda path: os.kill(os.getpid(), signal.SIGUSR2) or path)
+    monkeypatch.setattr(build, "resolve_path", lambda path, weights=True: os.kill(os.getpid(), signal.SIGUSR2) or path)
     monkeypatch.setattr(entrypoint, "ray_cluster", lambda *a: pytest.fail("Ray was started"))
     before = signal.getsignal(signal.SIGUSR2)
     with pytest.raises(SystemExit) as stop:

@@ -107,7 +107,7 @@ def test_after_a_run_in_this_process_rays_auto_init_is_as_it_was(monkeypatch, tm
 
     monkeypatch.setattr(auto_init_hook, "enable_auto_connect", True)  # Ray's default (restored after the test)
     monkeypatch.setattr(entrypoint, "_main", run_main)
-    monkeypatch.setattr(molt_hydra.models.build, "resolve_path", lambda path: path)
+    monkeypatch.setattr(molt_hydra.models.build, "resolve_path", lambda path, weights=True: path)
     cfg = OmegaConf.to_object(compose_config([f"checkpoint.dir={tmp_path / 'ckpt'}"], output_dir=str(tmp_path)))
     if ends == "done":
         entrypoint.run(cfg)

@@ -68,7 +68,7 @@ def test_an_engine_or_runner_whose_start_fails_ends_the_start_while_the_ranks_bu
             raise RunFailed(role, "its start failed: ValueError: rollout.kv_cache_gb=64 does not fit")
 
     monkeypatch.setattr(roles, "_noted", noted)
-    monkeypatch.setattr(build, "resolve_path", lambda path: path)
+    monkeypatch.setattr(build, "resolve_path", lambda path, weights=True: path)
     monkeypatch.setattr(roles, "init_ray", lambda cfg: None)
     monkeypatch.setattr(roles, "fsdp_roles", lambda cfg: ("actor",))
     monkeypatch.setattr(roles, "colocated_placement", lambda cfg, n: asyncio.sleep(0, (None, None)))
@@ -119,7 +119,7 @@ def test_an_engine_that_hangs_at_start_is_named_with_its_phase(monkeypatch):
     cfg.train.timeouts.startup_s = 0.2
     monkeypatch.setattr(roles, "_noted", noted)
     monkeypatch.setattr(roles, "actor_pid", lambda actor: None)  # engine 2: no process leased
-    monkeypatch.setattr(build, "resolve_path", lambda path: path)
+    monkeypatch.setattr(build, "resolve_path", lambda path, weights=True: path)
     monkeypatch.setattr(roles, "init_ray", lambda cfg: None)
     monkeypatch.setattr(roles, "fsdp_roles", lambda cfg: ("actor",))
     monkeypatch.setattr(roles, "colocated_placement", lambda cfg, n: asyncio.sleep(0, (None, None)))

@@ -34,7 +34,7 @@ async def _forever(*args, **kwargs):
 def starting(monkeypatch):
     """build_roles with Ray's start skipped, waiting forever where it first waits on the roles (an engine loading)."""
     monkeypatch.setattr(roles, "init_ray", lambda cfg: None)
-    monkeypatch.setattr(build, "resolve_path", lambda path: path)
+    monkeypatch.setattr(build, "resolve_path", lambda path, weights=True: path)
     monkeypatch.setattr(roles, "fsdp_roles", lambda cfg: ("actor",))
     monkeypatch.setattr(roles, "colocated_placement", _forever)
     monkeypatch.setattr(ray_head, "live_head_processes", lambda: {})
